@@ -1,0 +1,217 @@
+"""Model configuration: `ModelArgs` with the official field names, the layer roles, and the presets.
+
+Mirrors `ModelArgs` in DeepSeek's inference/model.py (spec §1.1); the field names are the keys of the
+official `inference/config.json`, so a config file reads in both codebases. Vision and DSpark fields are
+out of scope (ARCHITECTURE.md §1) and absent. `check()` enforces the implicit constraints of spec §1.3,
+which the official code assumes silently.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config that the model cannot run. The message is one sentence for the user."""
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    # runtime limits (spec §1.1): they size RoPE tables and buffers, and have no numeric effect
+    max_batch_size: int = 4
+    max_seq_len: int = 1024
+    temperature: float = 0.0
+    dtype: str = "bf16"  # storage of the dense weights; only "bf16" is computed here (spec §5 storage)
+    expert_dtype: str | None = None
+    vocab_size: int = 129280
+    dim: int = 128
+    moe_inter_dim: int = 256
+    n_layers: int = 12
+    n_mtp_layers: int = 0  # DSpark is out of scope: its `mtp.*` tensors are skipped by name
+    n_heads: int = 4
+    # MoE (spec §5)
+    n_routed_experts: int = 16
+    n_shared_experts: int = 1
+    n_activated_experts: int = 2
+    score_func: str = "sqrtsoftplus"
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    # attention (spec §2)
+    q_lora_rank: int = 96
+    head_dim: int = 128
+    rope_head_dim: int = 32
+    norm_eps: float = 1e-20
+    o_groups: int = 2
+    o_lora_rank: int = 64
+    window_size: int = 128
+    compress_ratios: tuple[int, ...] = (0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1)
+    kv_source_layers: tuple[int, ...] = (2, 4, 6)
+    index_source_layers: tuple[int, ...] = (2, 4, 6, 8, 10)
+    # RoPE (spec §2.2): ratio-0 layers use rope_theta without YaRN, the others compress_rope_theta with it
+    compress_rope_theta: float = 160000.0
+    original_seq_len: int = 65536
+    rope_theta: float = 10000.0
+    rope_factor: float = 16.0
+    beta_fast: int = 32
+    beta_slow: int = 1
+    # indexer (spec §2.7)
+    index_n_heads: int = 8
+    index_head_dim: int = 64
+    index_topk: int = 64
+    candidate_source_layer: int = 6
+    candidate_topk_blocks: int = 16
+    candidate_block_size: int = 8
+    # hyper-connections (spec §3)
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # Engram (spec §4)
+    engram_layer_ids: tuple[int, ...] = (1, 4)
+    engram_num_embeddings: tuple[int, ...] = (192176, 192440)
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 32000
+    engram_n_heads: int = 2
+    engram_head_dim: int = 32
+    engram_pad_id: int = 2
+    engram_compressed_vocab_size: int = 64640
+    # project field: how token ids map to Engram's compressed ids (spec §8). "half" is the stub t -> t//2
+    # of the tiny checkpoints; "tokenizer" builds the map of spec §4.2 from a checkpoint's tokenizer.json.
+    engram_token_map: str = "half"
+
+    # ---- layer roles (spec §1.3) ---------------------------------------------------------------
+    def is_kv_source(self, layer: int) -> bool:
+        return layer < self.n_layers and layer in self.kv_source_layers
+
+    def is_index_source(self, layer: int) -> bool:
+        return layer < self.n_layers and layer in self.index_source_layers
+
+    def kv_source_of(self, layer: int) -> int:
+        """The largest kv source <= layer: whose compressed KV and index keys this layer reads."""
+        return max(s for s in self.kv_source_layers if s <= layer)
+
+    def index_source_of(self, layer: int) -> int:
+        """The largest index source <= layer: whose top-k list this layer attends with."""
+        return max(s for s in self.index_source_layers if s <= layer)
+
+    def uses_candidates(self, layer: int) -> bool:
+        return 0 <= self.candidate_source_layer < layer
+
+    @property
+    def n_hash_cols(self) -> int:
+        """Engram row ids per token: one per (n-gram size 2..max, head), spec §4.1."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    def check(self) -> "ModelArgs":
+        """Raise ConfigError naming the first violated constraint of spec §1.3 (or a width the
+        quantisation sims of spec §2.5 cannot group)."""
+        r, n = self.compress_ratios, self.n_layers
+        problems = [
+            (len(r) == n, f"compress_ratios has {len(r)} entries but n_layers is {n}"),
+            (all(x in (0, 1, 2) for x in r), f"compress_ratios {list(r)} may hold only 0, 1 and 2 (V4.1)"),
+            (all(0 <= s < n and r[s] > 0 for s in self.kv_source_layers + self.index_source_layers),
+             "every kv and index source layer must exist and have compress ratio > 0"),
+            (set(self.kv_source_layers) <= set(self.index_source_layers),
+             "every kv source layer must also be an index source layer (index keys are written by its indexer)"),
+            (self.candidate_source_layer < 0 or self.candidate_source_layer in self.index_source_layers,
+             "the candidate source layer must be an index source layer"),
+            (not any(r) or r.index(next(x for x in r if x)) in self.kv_source_layers,
+             "the first compressed layer must be a kv source layer"),
+            (all(r[i] == 0 or (any(s <= i for s in self.kv_source_layers)
+                               and r[self.kv_source_of(i)] == r[i] and r[self.index_source_of(i)] == r[i])
+                 for i in range(n)),
+             "every compressed layer must share its compress ratio with its kv and index sources"),
+            (self.candidate_source_layer < 0 or
+             (self.candidate_topk_blocks - 1) * self.candidate_block_size + 1 >= self.index_topk,
+             "(candidate_topk_blocks - 1) * candidate_block_size + 1 must be >= index_topk (spec §2.7)"),
+            (self.head_dim % 32 == 0 and self.index_head_dim % 32 == 0 and self.engram_head_dim % 32 == 0,
+             "head_dim, index_head_dim and engram_head_dim must be multiples of 32 (quantisation groups)"),
+            (0 < self.rope_head_dim < min(self.head_dim, self.index_head_dim) and self.rope_head_dim % 2 == 0,
+             "rope_head_dim must be even and smaller than head_dim and index_head_dim"),
+            ((self.n_heads * self.head_dim) % self.o_groups == 0 and self.n_heads % self.o_groups == 0,
+             "n_heads must be a multiple of o_groups"),
+            (self.n_shared_experts == 1, "n_shared_experts must be 1 (spec §5)"),
+            (self.score_func == "sqrtsoftplus", "score_func must be sqrtsoftplus (V4.1)"),
+            (self.dtype == "bf16" and self.expert_dtype is None,
+             "only dtype bf16 with expert_dtype null is computed by this model"),
+            (self.n_mtp_layers == 0, "DSpark (n_mtp_layers > 0) is out of scope; set n_mtp_layers to 0"),
+            (len(self.engram_num_embeddings) == len(self.engram_layer_ids)
+             and all(0 <= i < n for i in self.engram_layer_ids),
+             "engram_num_embeddings needs one entry per engram layer id, each id a layer"),
+            (self.engram_token_map in ("half", "tokenizer"), "engram_token_map must be 'half' or 'tokenizer'"),
+            (self.engram_token_map != "half" or self.engram_compressed_vocab_size == self.vocab_size // 2,
+             "with engram_token_map 'half' engram_compressed_vocab_size must be vocab_size // 2"),
+        ]
+        for ok, message in problems:
+            if not ok:
+                raise ConfigError(f"invalid model config: {message}.")
+        return self
+
+    # ---- JSON (the official config.json keys) ----------------------------------------------------
+    def to_dict(self) -> dict:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ConfigError(f"invalid model config: unknown field(s) {', '.join(unknown)}.")
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        return cls(**kw).check()
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelArgs":
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read model config {path}: {e}.") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"model config {path} is not a JSON object.")
+        return cls.from_dict(d)
+
+
+def _tiny() -> ModelArgs:
+    """Spec §8: every mechanism of V4.1 active at 68,297,760 parameters, with the real vocab."""
+    return ModelArgs()
+
+
+def _micro() -> ModelArgs:
+    """The tiny model's layer roles at toy widths and a 1024-token vocab, so CPU tests take seconds.
+    Top-k binds after 16 entries and candidates after 32; the window of 32 wraps after 32 tokens."""
+    return ModelArgs(
+        vocab_size=1024, dim=64, moe_inter_dim=64, n_heads=2, n_routed_experts=8, q_lora_rank=32,
+        head_dim=64, rope_head_dim=16, o_groups=2, o_lora_rank=32, window_size=32,
+        index_n_heads=4, index_head_dim=32, index_topk=16, candidate_topk_blocks=4, candidate_block_size=8,
+        engram_vocab_size=1000, engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=512,
+        engram_num_embeddings=(), max_seq_len=2048,
+    )
+
+
+def _stress() -> ModelArgs:
+    """`micro` with a 16-position window, so rings wrap many times within short prompts."""
+    args = _micro()
+    args.window_size = 16
+    return args
+
+
+PRESETS = {"tiny-68m": _tiny, "micro": _micro, "stress": _stress}
+
+
+def preset(name: str) -> ModelArgs:
+    """A fresh ModelArgs for a named preset, with the Engram table sizes computed (spec §4.2)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}.")
+    args = PRESETS[name]()
+    if not args.engram_num_embeddings:
+        from model.engram import EngramLayout
+
+        args.engram_num_embeddings = tuple(EngramLayout.from_args(args).num_embeddings)
+    return args.check()

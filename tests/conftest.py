@@ -1,0 +1,19 @@
+"""Test set-up: Triton runs through its interpreter when there is no CUDA (CI, laptops).
+
+TRITON_INTERPRET must be set before triton is first imported, so it is set here, at collection time.
+On a CUDA machine it is left alone and the kernels run compiled.
+"""
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DATA = Path(__file__).resolve().parent / "data"
