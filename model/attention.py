@@ -1,0 +1,232 @@
+"""Attention of DeepSeek-V4.1 (spec §2): parameters with the official names, and the math both model
+forms share.
+
+Mirrors `Attention`, `Compressor`, `Indexer`, `select_candidate_blocks` and the `sparse_attn` kernel of
+DeepSeek's inference/model.py and kernel.py. The modules hold parameters and per-token projections
+only; where the state comes from (a whole sequence in model/reference.py, paged blocks and state slots
+in model/paged.py) is the caller's business. All functions take a batch dim B and a token dim S.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelArgs
+from model.quant import act_quant_fp4, act_quant_fp8
+from model.rope import apply_rope
+
+SPARSE_ATTN_BLOCK = 64  # the kernel's online softmax walks the index list in blocks of 64 (spec §2.8)
+
+
+class Linear(nn.Module):
+    """y = x·Wᵀ without bias; `weight` [out, in] in its storage dtype (bf16 or fp32 here)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype=torch.bfloat16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """w ⊙ x·rsqrt(mean(x²)+eps), computed in fp32, returned in x's dtype (spec §6)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+class Compressor(nn.Module):
+    """Pools `ratio` tokens into one pre-RoPE latent (spec §2.4); kv-source layers only."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.ratio = args.compress_ratios[layer]
+        self.norm = RMSNorm(args.head_dim, args.norm_eps)
+        # ratio 1 is a plain bf16 projection; ratio 2 pools in fp32 with fp32 weights
+        self.wkv = Linear(args.dim, args.head_dim, torch.float32 if self.ratio > 1 else torch.bfloat16)
+        if self.ratio > 1:
+            self.wgate = Linear(args.dim, args.head_dim, torch.float32)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x bf16 [B,S,d] -> (a, g): fp32 [B,S,D] each for ratio > 1; (bf16 a, None) for ratio 1."""
+        if self.ratio == 1:
+            return self.wkv(x), None
+        xf = x.float()
+        return self.wkv(xf), self.wgate(xf)
+
+    def pool(self, a: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+        """Group members -> normalised latent. a, g: [..., r, D] (fp32), or a bf16 [..., D] for ratio 1.
+        Each channel takes a softmax over the r members (spec §2.4); returns bf16 [..., D]."""
+        if g is None:
+            return self.norm(a)
+        pooled = (a * g.softmax(dim=-2)).sum(dim=-2)
+        return self.norm(pooled.to(torch.bfloat16))
+
+
+class Indexer(nn.Module):
+    """Scores compressed entries per query and keeps the top-k (spec §2.6-2.7); index sources only.
+    A kv source's indexer also owns the index keys (`wk`, `k_norm`)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.rope_head_dim
+        self.wq_b = Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim)
+        self.weights_proj = Linear(args.dim, args.index_n_heads)
+        self.owns_keys = args.is_kv_source(layer)
+        if self.owns_keys:
+            self.wk = Linear(args.head_dim, args.index_head_dim)
+            self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps)
+        # one constant, formed in double precision and rounded once (spec §2.7)
+        self.weight_scale = args.index_head_dim ** -0.5 * args.index_n_heads ** -0.5
+
+    def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Index keys of new entries: latent bf16 [B,E,D] (pre-RoPE), freqs at positions j·r -> [B,E,Di]."""
+        k = self.k_norm(self.wk(latent))
+        apply_rope(k[..., -self.rope_dim:], freqs)
+        return act_quant_fp4(k, 32, "ue8m0")
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor):
+        """-> (q [B,S,Hi,Di] FP4-sim bf16, head weights [B,S,Hi] bf16)."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        apply_rope(q[..., -self.rope_dim:], freqs)
+        q = act_quant_fp4(q, 32, "ue8m0")
+        return q, self.weights_proj(x) * self.weight_scale
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """score(p, j) = bf16(Σ_h bf16(relu(bf16(q_h·k_j))·w_h)) (spec §2.7), -inf where j >= V(p).
+
+    q [B,S,Hi,Di], w [B,S,Hi], keys [B,E,Di] -> [B,S,E] bf16; visible: [B,S] entry counts V(p).
+    """
+    d = torch.einsum("bshd,btd->bsht", q, keys)
+    score = (d.relu_() * w.unsqueeze(-1)).sum(dim=2)
+    entries = torch.arange(keys.size(1), device=keys.device)
+    return score.masked_fill(entries >= visible.unsqueeze(-1), -torch.inf)
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim; equal scores go to the lower index (spec §7.4-2)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
+    """Level 1 of the two-level top-k (spec §2.7): a bool mask [B,S,E] of the kept candidate blocks.
+
+    Block score = max of its entries; the block holding the newest visible entry is forced in; only
+    blocks scoring > -inf are kept. With V(p) = 0 no block is forced and the mask is empty.
+    """
+    width = scores.size(-1)
+    blocks = F.pad(scores, (0, -width % block), value=-torch.inf).unflatten(-1, (-1, block)).amax(-1)
+    newest = torch.div(visible - 1, block, rounding_mode="floor").unsqueeze(-1)
+    blocks = blocks.masked_fill(torch.arange(blocks.size(-1), device=scores.device) == newest, torch.inf)
+    top = _top(blocks, min(n_blocks, blocks.size(-1)))
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, blocks.gather(-1, top) > -torch.inf)
+    return keep.repeat_interleave(block, dim=-1)[..., :width]
+
+
+def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k entry ids [B,S,k] int64 sorted ascending by position, -1 where j >= V(p) (spec §2.7).
+    k = min(index_topk, entries); the -1 padding lands at the end of each list."""
+    idx = _top(scores, k).sort(dim=-1).values
+    return torch.where(idx < visible.unsqueeze(-1), idx, -1)
+
+
+class Attention(nn.Module):
+    """Per-layer attention parameters (spec §2.1) and the per-token projections around `sparse_attn`."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = args.n_heads, args.head_dim, args.rope_head_dim
+        self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
+        self.ratio = args.compress_ratios[layer]
+        self.attn_sink = nn.Parameter(torch.empty(args.n_heads, dtype=torch.float32))
+        self.wq_a = Linear(args.dim, args.q_lora_rank)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = Linear(args.q_lora_rank, args.n_heads * args.head_dim)
+        self.wkv = Linear(args.dim, args.head_dim)
+        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.wo_a = Linear(args.n_heads * args.head_dim // args.o_groups, args.o_groups * args.o_lora_rank)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim)
+        self.softmax_scale = args.head_dim ** -0.5
+        self.compressor = Compressor(args, layer) if args.is_kv_source(layer) else None
+        self.indexer = Indexer(args, layer) if args.is_index_source(layer) else None
+
+    def queries(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x bf16 [B,S,d] -> (qr [B,S,ql] shared with the indexer, q [B,S,H,D] with RoPE)."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        apply_rope(q[..., -self.rope_dim:], freqs)
+        return qr, q
+
+    def window_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """The window latent [B,S,D]: kv_norm(x·wkvᵀ), RoPE, then FP8-sim over the whole vector."""
+        kv = self.kv_norm(self.wkv(x))
+        apply_rope(kv[..., -self.rope_dim:], freqs)
+        return act_quant_fp8(kv, 32)
+
+    def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE, grouped low-rank wo_a (block-diagonal, spec §2.9), then wo_b. [B,S,H,D] -> [B,S,d]."""
+        apply_rope(o[..., -self.rope_dim:], freqs, inverse=True)
+        o = o.unflatten(-2, (self.n_groups, -1)).flatten(-2)  # [B,S,G,H·D/G]
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        return self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
+
+
+def compressed_kv(latent: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """Compressed entries as stored (spec §2.6): RoPE at j·r on a copy of the latent, then FP4 (e4m3/16)."""
+    c = latent.clone()
+    apply_rope(c[..., -rope_dim:], freqs)
+    return act_quant_fp4(c, 16, "e4m3")
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention over gathered KV rows with a sink (spec §2.8), with the kernel's numerics.
+
+    q [B,S,H,D] bf16, kv [B,N,D] bf16 (key = value), sink [H] fp32, idx [B,S,L] (-1 = skip).
+    Online softmax over blocks of 64 indices; probabilities are rounded to bf16 against the running
+    max before P·V while the denominator sums fp32. Returns bf16 [B,S,H,D]; a row with no index gives 0.
+    """
+    B, S, H, D = q.shape
+    qf, scale_t = q.float(), torch.tensor(scale, dtype=torch.float32, device=q.device)
+    acc = torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device)
+    den = torch.zeros(B, S, H, dtype=torch.float32, device=q.device)
+    run_max = torch.full((B, S, H), -1e30, dtype=torch.float32, device=q.device)  # the sink is not in the max
+    rows = torch.arange(B, device=q.device).view(B, 1, 1)
+    for t in range(0, idx.size(-1), SPARSE_ATTN_BLOCK):
+        blk = idx[..., t:t + SPARSE_ATTN_BLOCK].long()
+        valid = blk >= 0
+        kv_blk = kv[rows, blk.clamp_min(0)].float() * valid.unsqueeze(-1)  # [B,S,k,D]
+        s = torch.einsum("bshd,bskd->bshk", qf, kv_blk)
+        s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale_t
+        prev = run_max
+        run_max = torch.maximum(prev, s.amax(-1))
+        rescale = torch.exp(prev - run_max)
+        p = torch.exp(s - run_max.unsqueeze(-1))
+        den = den * rescale + p.sum(-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", p.to(torch.bfloat16).float(), kv_blk)
+    den = den + torch.exp(sink - run_max)
+    return (acc / den.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def window_index(positions: torch.Tensor, window: int, width: int, decode: bool) -> torch.Tensor:
+    """Window positions each query attends to, [B,S,width] (-1 = none), in the official order (§2.3).
+
+    Multi-token rows list max(0,p-W+1)+k for k < width (width = min(W, tokens so far)), positions > p
+    set to -1, so the padding is at the end. One-token decode rows list the whole ring from slot
+    p%W+1: positions p-W+1+k for k < W, those < 0 set to -1, so the padding comes first.
+    """
+    p = positions.unsqueeze(-1)
+    if decode:
+        pos = p - window + 1 + torch.arange(window, device=positions.device)
+        return torch.where(pos >= 0, pos, -1)
+    pos = (p - window + 1).clamp_min(0) + torch.arange(width, device=positions.device)
+    return torch.where(pos <= p, pos, -1)

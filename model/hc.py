@@ -1,0 +1,48 @@
+"""Hyper-connections (mHC, spec §3): the residual stream as `hc_mult` copies, mixed per sublayer.
+
+Mirrors `Block.hc_mixes/hc_pre/hc_post` of DeepSeek's inference/model.py and the `hc_split_sinkhorn`
+kernel. The stream is bf16; the coefficients stay fp32 and are never rounded.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+             hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """(pre [..,hc], post [..,hc], comb [..,hc,hc]) from the stream h [..., hc, d] (spec §3 Mixes, Split).
+
+    One rsqrt statistic per token over all hc·d values; comb is made doubly stochastic by Sinkhorn:
+    a row softmax (+eps), a column normalisation, then iters-1 rounds of rows then columns.
+    """
+    x = h.flatten(-2).float()
+    mixes = F.linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))  # [.., j, k]
+    comb = torch.exp(comb - comb.amax(-1, keepdim=True))
+    comb = comb / comb.sum(-1, keepdim=True) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse: Σ_j pre_j·h_j in fp32, rounded to bf16. [..., hc, d] x [..., hc] -> [..., d]."""
+    return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+
+
+def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Expand: copy k = post_k·y + Σ_j comb[j,k]·h_j in fp32, rounded once. y [..., d], h [..., hc, d]."""
+    out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * h.unsqueeze(-2)).sum(-3)
+    return out.to(y.dtype)
+
+
+def identity_pre_mix(h: torch.Tensor) -> torch.Tensor:
+    """The first block's attention collapse: one-hot on copy 0 (spec §3, make_identity_pre_mix)."""
+    pre = torch.zeros(h.shape[:-1], dtype=torch.float32, device=h.device)
+    pre[..., 0] = 1.0
+    return pre

@@ -1,0 +1,108 @@
+"""The plain reference model: the project's ground truth (ARCHITECTURE.md §1, spec §7.3).
+
+One sequence, recomputed from position 0 over its whole token list: no paging, no batching, no
+state kept between calls, exactly the single-shot prefill of DeepSeek's inference/model.py
+(`Transformer.forward(tokens, start_pos=0)`). Each step cites the spec section it implements; the
+modules themselves (model/attention.py, hc.py, moe.py, engram.py) are shared with model/paged.py.
+
+`capture`, when given, receives (layer, module name, tensor) for every module output, so a
+divergence can be localised module by module (mdi-trace check --against reference).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from model.attention import compressed_kv, index_scores, select_candidate_blocks, sparse_attn, topk_entries, \
+    window_index
+from model.engram import hash_ids, start_history
+from model.hc import identity_pre_mix
+from model.transformer import Block, Transformer
+
+Capture = Callable[[int, str, torch.Tensor], None]
+
+
+class ReferenceModel:
+    def __init__(self, weights: Transformer):
+        self.weights, self.args = weights, weights.args
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int] | torch.Tensor, capture: Capture | None = None) -> torch.Tensor:
+        """fp32 logits [S, vocab] at every position of `tokens` (spec §7.3 with s = 0, n = S)."""
+        w, device = self.weights, self.weights.head.weight.device
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=device)[None]  # [1, S]
+        capture = capture or (lambda *_: None)
+        row_ids = None
+        if w.engram_layout is not None:  # §4.2: n-gram row ids, the history padded at the start
+            token_map = w.token_map(device)
+            history = start_history(self.args, token_map, 1)
+            row_ids = hash_ids(w.engram_layout.to(device), token_map[tokens], history)
+        h = w.embed_tokens(tokens)  # [1, S, hc, d]
+        pre_mix = identity_pre_mix(h)
+        shared: dict = {}  # what sources hand to later layers in this forward (spec §7.1 shared_attn)
+        for block in w.layers:
+            if block.engram is not None:  # Engram runs before its block (spec §4.1)
+                h = block.engram(h, row_ids[:, :, block.engram.layer_index])
+                capture(block.layer, "engram", h)
+            h, pre_mix = block(h, pre_mix, lambda x, b=block: self.attend(b, x, shared, capture))
+            capture(block.layer, "block", h)
+        return w.logits(h, pre_mix)[0]
+
+    def attend(self, block: Block, x: torch.Tensor, shared: dict, capture: Capture) -> torch.Tensor:
+        """The attention sublayer of one block over the whole sequence x bf16 [1, S, d] (spec §2)."""
+        args, attn, layer = self.args, block.attn, block.layer
+        S, r = x.size(1), attn.ratio
+        positions = torch.arange(S, device=x.device)[None]
+        freqs = self.weights.rope(r, x.device)[None, :S]
+        qr, q = attn.queries(x, freqs)
+        kv = attn.window_kv(x, freqs)  # §2.1, §2.3: the window keys are this sequence's own rows
+        idx = window_index(positions, args.window_size, min(S, args.window_size), decode=False)
+        capture(layer, "window_kv", kv)
+        if r:
+            n_entries = S // r
+            if args.is_kv_source(layer):
+                shared[layer] = self.compress(block, x, n_entries)
+                capture(layer, "compressed_kv", shared[layer][0])
+                capture(layer, "index_keys", shared[layer][1])
+            ckv, keys = shared[args.kv_source_of(layer)]
+            if args.is_index_source(layer):
+                shared["topk"] = self.index(block, x, qr, keys, positions, n_entries, shared)
+                capture(layer, "topk", shared["topk"])
+            topk = shared["topk"]
+            idx = torch.cat([idx, torch.where(topk >= 0, topk + S, -1)], dim=-1)
+            kv = torch.cat([kv, ckv], dim=1)
+        o = sparse_attn(q, kv, attn.attn_sink, idx, attn.softmax_scale)  # §2.8
+        capture(layer, "sparse_attn", o)
+        out = attn.output(o, freqs)  # §2.9
+        capture(layer, "attn_out", out)
+        return out
+
+    def compress(self, block: Block, x: torch.Tensor, n_entries: int):
+        """A kv source's compressed entries and index keys for the whole sequence (spec §2.4, §2.6)."""
+        attn, r = block.attn, block.attn.ratio
+        a, g = attn.compressor.project(x)
+        if g is None:
+            latent = attn.compressor.pool(a, None)  # ratio 1: one latent per token
+        else:  # complete groups only; a trailing partial group produces nothing
+            group = lambda t: t[:, :n_entries * r].unflatten(1, (n_entries, r))  # noqa: E731 [1,E,r,D]
+            latent = attn.compressor.pool(group(a), group(g))
+        freqs = self.weights.rope(r, x.device)[None, :n_entries * r:r]  # entry j sits at position j·r
+        keys = attn.indexer.keys(latent, freqs)  # from the pre-RoPE latent, before it is rotated
+        return compressed_kv(latent, freqs, self.args.rope_head_dim), keys
+
+    def index(self, block: Block, x, qr, keys, positions, n_entries: int, shared: dict) -> torch.Tensor:
+        """Top-k compressed entries per query (spec §2.7), with candidate blocks at the source and
+        level-2 masking after it. Returns entry ids [1, S, k], -1 padded."""
+        args, layer, r = self.args, block.layer, block.attn.ratio
+        if n_entries == 0:
+            return torch.empty(1, x.size(1), 0, dtype=torch.long, device=x.device)
+        q, w = block.attn.indexer.queries(x, qr, self.weights.rope(r, x.device)[None, :x.size(1)])
+        visible = (positions + 1) // r  # V(p): groups whose last token is <= p
+        scores = index_scores(q, w, keys, visible)
+        if layer == args.candidate_source_layer:
+            shared["candidates"] = select_candidate_blocks(
+                scores, visible, args.candidate_topk_blocks, args.candidate_block_size)
+        elif args.uses_candidates(layer):
+            scores = scores.masked_fill(~shared["candidates"], -torch.inf)
+        return topk_entries(scores, visible, min(args.index_topk, n_entries))

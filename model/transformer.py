@@ -1,0 +1,99 @@
+"""The parameters of DeepSeek-V4.1 under their official names (spec §1, §6): `Transformer` and `Block`.
+
+Mirrors the module tree of DeepSeek's inference/model.py, so `state_dict()` has exactly the names,
+shapes, dtypes and order of the official checkpoint (tests/data/tiny-68m.state_dict.tsv). Forward
+passes live elsewhere: model/reference.py (one sequence, plain) and model/paged.py (the engine's
+batched, paged form). Both call the same modules, so a module compares with identical inputs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import Attention, RMSNorm
+from model.config import ModelArgs
+from model.engram import Engram, EngramLayout, compressed_token_map
+from model.hc import hc_mixes, hc_post, hc_pre
+from model.moe import MoE
+from model.rope import rope_table
+
+
+class Block(nn.Module):
+    """One layer: attention and MoE sublayers between hyper-connection collapse and expand (spec §3),
+    with an Engram block before it on `engram_layer_ids` (spec §4)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer, self.args = layer, args
+        mix, width = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
+        f32 = dict(dtype=torch.float32)
+        self.hc_attn_fn = nn.Parameter(torch.empty(mix, width, **f32))
+        self.hc_ffn_fn = nn.Parameter(torch.empty(mix, width, **f32))
+        self.hc_attn_base = nn.Parameter(torch.empty(mix, **f32))
+        self.hc_ffn_base = nn.Parameter(torch.empty(mix, **f32))
+        self.hc_attn_scale = nn.Parameter(torch.empty(3, **f32))
+        self.hc_ffn_scale = nn.Parameter(torch.empty(3, **f32))
+        self.attn = Attention(args, layer)
+        self.ffn = MoE(args)
+        self.engram = Engram(args, layer) if layer in args.engram_layer_ids else None
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def mixes(self, h: torch.Tensor, which: str):
+        """(pre, post, comb) of the attn or ffn sublayer from the stream h [..., hc, d]."""
+        a = self.args
+        return hc_mixes(h, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
+                        getattr(self, f"hc_{which}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+
+    def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4.1 block order with the delayed pre-mix (spec §3): attention input collapsed with the
+        previous block's f_pre, the FFN input with this block's a_pre. `attend(x) -> y` runs the
+        attention sublayer on x bf16 [B,S,d]; the caller supplies it with its own KV state."""
+        a_pre, a_post, a_comb = self.mixes(h, "attn")
+        h = hc_post(attend(self.attn_norm(hc_pre(h, pre_mix))), h, a_post, a_comb)
+        f_pre, f_post, f_comb = self.mixes(h, "ffn")
+        h = hc_post(self.ffn(self.ffn_norm(hc_pre(h, a_pre))), h, f_post, f_comb)
+        return h, f_pre
+
+
+class Transformer(nn.Module):
+    """embed -> hc copies -> blocks -> collapse -> norm -> head (fp32 logits). Parameters only, plus
+    the embedding and head steps both forward passes share."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args.check()
+        self.engram_layout = EngramLayout.from_args(args)
+        self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=torch.bfloat16, _weight=torch.empty(
+            args.vocab_size, args.dim, dtype=torch.bfloat16))
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = nn.Module()
+        self.head.weight = nn.Parameter(torch.empty(args.vocab_size, args.dim, dtype=torch.float32))
+        self._rope: dict[tuple, torch.Tensor] = {}
+        self._token_map: dict[str, torch.Tensor] = {}
+        self.tokenizer = None  # set by a checkpoint that brings tokenizer.json (engram_token_map "tokenizer")
+
+    def token_map(self, device) -> torch.Tensor:
+        """Token id -> Engram's compressed id, int64 [vocab] (spec §4.2 step 1), cached per device."""
+        key = str(device)
+        if key not in self._token_map:
+            self._token_map[key] = compressed_token_map(self.args, self.tokenizer).to(device)
+        return self._token_map[key]
+
+    def rope(self, ratio: int, device) -> torch.Tensor:
+        """The RoPE table of layers with this compress ratio (spec §2.2), cached per device."""
+        key = (bool(ratio), str(device))
+        if key not in self._rope:
+            self._rope[key] = rope_table(self.args, ratio, device)
+        return self._rope[key]
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [..] -> the stream [.., hc, d] bf16: the embedding repeated into every copy."""
+        e = self.embed(tokens)
+        return e.unsqueeze(-2).expand(*e.shape[:-1], self.args.hc_mult, e.size(-1)).contiguous()
+
+    def logits(self, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        """Final collapse with the last f_pre, norm, and the fp32 head. [..., hc, d] -> [..., vocab] fp32."""
+        return F.linear(self.norm(hc_pre(h, pre_mix)).float(), self.head.weight)
