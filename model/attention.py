@@ -113,12 +113,17 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
     return score.masked_fill(entries >= visible.unsqueeze(-1), -torch.inf)
 
 
-def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest along the last dim; equal scores go to the lower index (spec §7.4-2)."""
+def _top(scores: torch.Tensor, k: int, tie_rule: str = "lower-index", sorted: bool = True) -> torch.Tensor:
+    """Indices of the k largest along the last dim. "lower-index": equal scores go to the lower index,
+    the project's rule (spec §7.4-2). "torch": torch.topk's own implementation-defined choice, which is
+    what DeepSeek's code gets; only for comparing with its outputs bit for bit."""
+    if tie_rule == "torch":
+        return scores.topk(k, dim=-1, sorted=sorted).indices
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int,
+                            tie_rule: str = "lower-index") -> torch.Tensor:
     """Level 1 of the two-level top-k (spec §2.7): a bool mask [B,S,E] of the kept candidate blocks.
 
     Block score = max of its entries; the block holding the newest visible entry is forced in; only
@@ -128,15 +133,15 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_block
     blocks = F.pad(scores, (0, -width % block), value=-torch.inf).unflatten(-1, (-1, block)).amax(-1)
     newest = torch.div(visible - 1, block, rounding_mode="floor").unsqueeze(-1)
     blocks = blocks.masked_fill(torch.arange(blocks.size(-1), device=scores.device) == newest, torch.inf)
-    top = _top(blocks, min(n_blocks, blocks.size(-1)))
+    top = _top(blocks, min(n_blocks, blocks.size(-1)), tie_rule)
     keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, blocks.gather(-1, top) > -torch.inf)
     return keep.repeat_interleave(block, dim=-1)[..., :width]
 
 
-def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int, tie_rule: str = "lower-index") -> torch.Tensor:
     """Top-k entry ids [B,S,k] int64 sorted ascending by position, -1 where j >= V(p) (spec §2.7).
     k = min(index_topk, entries); the -1 padding lands at the end of each list."""
-    idx = _top(scores, k).sort(dim=-1).values
+    idx = _top(scores, k, tie_rule, sorted=False).sort(dim=-1).values
     return torch.where(idx < visible.unsqueeze(-1), idx, -1)
 
 
@@ -230,3 +235,23 @@ def window_index(positions: torch.Tensor, window: int, width: int, decode: bool)
         return torch.where(pos >= 0, pos, -1)
     pos = (p - window + 1).clamp_min(0) + torch.arange(width, device=positions.device)
     return torch.where(pos <= p, pos, -1)
+
+
+def select_entries(args: ModelArgs, block, x, qr, keys, positions, freqs, n_entries: int, shared: dict) -> torch.Tensor:
+    """An index source's top-k compressed entries per query (spec §2.7, §7.3b): score against its kv
+    source's index keys [B,E,Di], candidate blocks at the candidate source, level-2 masking after it.
+    `shared["candidates"]` carries the mask to later index sources of the same forward.
+    Returns entry ids [B,S,min(K,E)] ascending, -1 padded at the end."""
+    layer = block.layer
+    if n_entries == 0:
+        return torch.empty(*x.shape[:2], 0, dtype=torch.long, device=x.device)
+    q, w = block.attn.indexer.queries(x, qr, freqs)
+    visible = (positions + 1) // block.attn.ratio  # V(p): groups whose last token is <= p
+    scores = index_scores(q, w, keys, visible)
+    if layer == args.candidate_source_layer:
+        shared["candidates"] = select_candidate_blocks(scores, visible, args.candidate_topk_blocks,
+                                                       args.candidate_block_size, args.topk_tie_rule)
+    elif args.uses_candidates(layer):
+        scores = scores.masked_fill(~shared["candidates"], -torch.inf)
+    shared["capture"](layer, "index_scores", scores)
+    return topk_entries(scores, visible, min(args.index_topk, n_entries), args.topk_tie_rule)

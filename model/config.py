@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -81,6 +81,10 @@ class ModelArgs:
     # project field: how token ids map to Engram's compressed ids (spec §8). "half" is the stub t -> t//2
     # of the tiny checkpoints; "tokenizer" builds the map of spec §4.2 from a checkpoint's tokenizer.json.
     engram_token_map: str = "half"
+    # project field: how exact score ties at the top-k boundary are broken (spec §7.4-2). "lower-index" is
+    # the project's deterministic rule; "torch" reproduces DeepSeek's code on the same torch build, to
+    # compare with its outputs bit for bit (tests/test_golden.py).
+    topk_tie_rule: str = "lower-index"
 
     # ---- layer roles (spec §1.3) ---------------------------------------------------------------
     def is_kv_source(self, layer: int) -> bool:
@@ -142,6 +146,7 @@ class ModelArgs:
              and all(0 <= i < n for i in self.engram_layer_ids),
              "engram_num_embeddings needs one entry per engram layer id, each id a layer"),
             (self.engram_token_map in ("half", "tokenizer"), "engram_token_map must be 'half' or 'tokenizer'"),
+            (self.topk_tie_rule in ("lower-index", "torch"), "topk_tie_rule must be 'lower-index' or 'torch'"),
             (self.engram_token_map != "half" or self.engram_compressed_vocab_size == self.vocab_size // 2,
              "with engram_token_map 'half' engram_compressed_vocab_size must be vocab_size // 2"),
         ]

@@ -14,8 +14,7 @@ from typing import Callable
 
 import torch
 
-from model.attention import compressed_kv, index_scores, select_candidate_blocks, sparse_attn, topk_entries, \
-    window_index
+from model.attention import compressed_kv, select_entries, sparse_attn, window_index
 from model.engram import hash_ids, start_history
 from model.hc import identity_pre_mix
 from model.transformer import Block, Transformer
@@ -40,18 +39,18 @@ class ReferenceModel:
             row_ids = hash_ids(w.engram_layout.to(device), token_map[tokens], history)
         h = w.embed_tokens(tokens)  # [1, S, hc, d]
         pre_mix = identity_pre_mix(h)
-        shared: dict = {}  # what sources hand to later layers in this forward (spec §7.1 shared_attn)
+        shared: dict = {"capture": capture}  # what sources hand to later layers (spec §7.1 shared_attn)
         for block in w.layers:
             if block.engram is not None:  # Engram runs before its block (spec §4.1)
                 h = block.engram(h, row_ids[:, :, block.engram.layer_index])
                 capture(block.layer, "engram", h)
-            h, pre_mix = block(h, pre_mix, lambda x, b=block: self.attend(b, x, shared, capture))
+            h, pre_mix = block(h, pre_mix, lambda x, b=block: self.attend(b, x, shared))
             capture(block.layer, "block", h)
         return w.logits(h, pre_mix)[0]
 
-    def attend(self, block: Block, x: torch.Tensor, shared: dict, capture: Capture) -> torch.Tensor:
+    def attend(self, block: Block, x: torch.Tensor, shared: dict) -> torch.Tensor:
         """The attention sublayer of one block over the whole sequence x bf16 [1, S, d] (spec §2)."""
-        args, attn, layer = self.args, block.attn, block.layer
+        args, attn, layer, capture = self.args, block.attn, block.layer, shared["capture"]
         S, r = x.size(1), attn.ratio
         positions = torch.arange(S, device=x.device)[None]
         freqs = self.weights.rope(r, x.device)[None, :S]
@@ -67,7 +66,7 @@ class ReferenceModel:
                 capture(layer, "index_keys", shared[layer][1])
             ckv, keys = shared[args.kv_source_of(layer)]
             if args.is_index_source(layer):
-                shared["topk"] = self.index(block, x, qr, keys, positions, n_entries, shared)
+                shared["topk"] = select_entries(args, block, x, qr, keys, positions, freqs, n_entries, shared)
                 capture(layer, "topk", shared["topk"])
             topk = shared["topk"]
             idx = torch.cat([idx, torch.where(topk >= 0, topk + S, -1)], dim=-1)
@@ -90,19 +89,3 @@ class ReferenceModel:
         freqs = self.weights.rope(r, x.device)[None, :n_entries * r:r]  # entry j sits at position j·r
         keys = attn.indexer.keys(latent, freqs)  # from the pre-RoPE latent, before it is rotated
         return compressed_kv(latent, freqs, self.args.rope_head_dim), keys
-
-    def index(self, block: Block, x, qr, keys, positions, n_entries: int, shared: dict) -> torch.Tensor:
-        """Top-k compressed entries per query (spec §2.7), with candidate blocks at the source and
-        level-2 masking after it. Returns entry ids [1, S, k], -1 padded."""
-        args, layer, r = self.args, block.layer, block.attn.ratio
-        if n_entries == 0:
-            return torch.empty(1, x.size(1), 0, dtype=torch.long, device=x.device)
-        q, w = block.attn.indexer.queries(x, qr, self.weights.rope(r, x.device)[None, :x.size(1)])
-        visible = (positions + 1) // r  # V(p): groups whose last token is <= p
-        scores = index_scores(q, w, keys, visible)
-        if layer == args.candidate_source_layer:
-            shared["candidates"] = select_candidate_blocks(
-                scores, visible, args.candidate_topk_blocks, args.candidate_block_size)
-        elif args.uses_candidates(layer):
-            scores = scores.masked_fill(~shared["candidates"], -torch.inf)
-        return topk_entries(scores, visible, min(args.index_topk, n_entries))

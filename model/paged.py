@@ -1,0 +1,191 @@
+"""The paged, batched model the engine runs (spec §7.2-7.3, ARCHITECTURE.md §3-§4).
+
+One forward over a batch of rows, each row a chunk [s, s+n) of one sequence at any position: a
+prefill from 0, a later chunk of a chunked prefill, or a one-token decode. Two kinds of state:
+
+- KV blocks of 128 token positions: per kv-source layer, compressed entries and index keys, 128/r
+  entries per block, entry j of a sequence at (block_table[j // E], j % E). Written once when group j
+  closes (spec §7.2).
+- state slots: per sequence, the window rings of every layer ([W, D], position p at p % W), the
+  ratio-2 compressor tails ([r, D] x 2, fp32) and the Engram history (last max_ngram-1 compressed ids).
+
+Writes that a row must not make (padding tokens, tokens whose group did not close, ring positions
+older than the last W) go to a trash block / trash slot at the end of each pool, so the forward has
+no data-dependent shapes and no host synchronisation: the shapes come from `ForwardBatch`, a host-side
+value. Quirk 7.4-1 of the spec: each layer scores against its own kv source's index keys (the
+intended semantics), never against whichever keys another layer published last.
+
+Mirrors DeepInfer's paged forward (deepinfer/worker/worker.py) over DeepSeek's inference/model.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.attention import compressed_kv, select_entries, sparse_attn, window_index
+from model.engram import engram_history, hash_ids, start_history
+from model.hc import identity_pre_mix
+from model.transformer import Block, Transformer
+
+BLOCK_SIZE = 128  # token positions per KV block (ARCHITECTURE.md §1)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """The device inputs of one forward, built from a ScheduledBatch by the model runner.
+
+    Rows are padded to the longest chunk S; `context_len` and `decode` are host values that fix the
+    shapes (so a decode step of a given batch size and context bucket always has the same shapes)."""
+    input_ids: torch.Tensor     # [B, S] int64, anything past num_tokens is padding
+    start: torch.Tensor         # [B] int64: position of each row's first token
+    num_tokens: torch.Tensor    # [B] int64: valid tokens of each row (>= 1)
+    block_tables: torch.Tensor  # [B, nb] int64, padded with any value (padding entries are never visible)
+    state_slots: torch.Tensor   # [B] int64
+    context_len: int            # >= start + num_tokens of every row: sizes the entry streams
+    decode: bool                # every row is one token at a position > 0 (the official decode order)
+
+
+@dataclass(slots=True)
+class _Step:
+    """Per-forward values every layer reads (derived once from the ForwardBatch)."""
+    batch: ForwardBatch
+    positions: torch.Tensor  # [B, S]
+    valid: torch.Tensor      # [B, S] bool
+    end: torch.Tensor        # [B] start + num_tokens
+    rows: torch.Tensor       # [B, 1] row index, for gathers
+
+
+class PagedModel:
+    """The batched forward over paged state; the parameters are `weights` (shared with the reference)."""
+
+    def __init__(self, weights: Transformer, num_blocks: int, num_slots: int):
+        self.weights, self.args = weights, weights.args
+        a, dev = self.args, weights.head.weight.device
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.trash_block, self.trash_slot = num_blocks, num_slots  # write-only sinks for masked writes
+        zeros = dict(dtype=torch.bfloat16, device=dev)
+        self.ring = torch.zeros(a.n_layers, num_slots + 1, a.window_size, a.head_dim, **zeros)
+        self.entries, self.tails = {}, {}
+        for layer in a.kv_source_layers:
+            r = a.compress_ratios[layer]
+            self.entries[layer] = (torch.zeros(num_blocks + 1, BLOCK_SIZE // r, a.head_dim, **zeros),
+                                   torch.zeros(num_blocks + 1, BLOCK_SIZE // r, a.index_head_dim, **zeros))
+            if r > 1:
+                shape = (num_slots + 1, r, a.head_dim)
+                self.tails[layer] = (torch.zeros(shape, dtype=torch.float32, device=dev),
+                                     torch.full(shape, -torch.inf, dtype=torch.float32, device=dev))
+        self.history = torch.zeros(num_slots + 1, a.engram_max_ngram_size - 1, dtype=torch.long, device=dev)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, all_logits: bool = False, capture=None) -> torch.Tensor:
+        """fp32 logits of each row's last token [B, vocab] (or of every token [B, S, vocab]).
+        `capture(layer, name, tensor)` sees every module output, as in model/reference.py."""
+        w, ids = self.weights, batch.input_ids
+        B, S = ids.shape
+        arange = torch.arange(S, device=ids.device)
+        step = _Step(batch, batch.start[:, None] + arange, arange < batch.num_tokens[:, None],
+                     batch.start + batch.num_tokens, torch.arange(B, device=ids.device)[:, None])
+        row_ids = self.engram_rows(step)
+        h = w.embed_tokens(ids)  # [B, S, hc, d]
+        pre_mix = identity_pre_mix(h)
+        shared: dict = {"capture": capture or (lambda *_: None)}
+        for block in w.layers:
+            if block.engram is not None:
+                h = block.engram(h, row_ids[:, :, block.engram.layer_index])
+                shared["capture"](block.layer, "engram", h)
+            h, pre_mix = block(h, pre_mix, lambda x, b=block: self.attend(b, x, step, shared))
+            shared["capture"](block.layer, "block", h)
+        if all_logits:
+            return w.logits(h, pre_mix)
+        last = (batch.num_tokens - 1)[:, None]
+        return w.logits(h[step.rows, last][:, 0], pre_mix[step.rows, last][:, 0])
+
+    def engram_rows(self, step: _Step) -> torch.Tensor | None:
+        """Row ids of this chunk (spec §4.2) from each slot's history; then the history moves on."""
+        w, b = self.weights, step.batch
+        if w.engram_layout is None:
+            return None
+        token_map = w.token_map(b.input_ids.device)
+        comp = token_map[b.input_ids]
+        fresh = start_history(self.args, token_map, b.input_ids.size(0))
+        history = torch.where((b.start == 0)[:, None], fresh, self.history[b.state_slots])
+        self.history[b.state_slots] = engram_history(history, comp, b.num_tokens)
+        return hash_ids(w.engram_layout.to(comp.device), comp, history)
+
+    def attend(self, block: Block, x: torch.Tensor, step: _Step, shared: dict) -> torch.Tensor:
+        """The attention sublayer (spec §7.3 steps 1-4) over x bf16 [B, S, d]."""
+        args, attn, layer, b = self.args, block.attn, block.layer, step.batch
+        S, r, W = x.size(1), attn.ratio, args.window_size
+        freqs = self.weights.rope(r, x.device)[step.positions.clamp(max=args.max_seq_len - 1)]
+        qr, q = attn.queries(x, freqs)
+        kv = attn.window_kv(x, freqs)
+        capture = shared["capture"]
+        capture(layer, "window_kv", kv)
+        # window keys: positions < s from the slot's ring (index p % W), the rest from this chunk (W + p - s)
+        source = torch.cat([self.ring[layer, b.state_slots], kv], dim=1)  # [B, W + S, D]
+        pos = window_index(step.positions, W, min(W, b.context_len), b.decode)
+        start = b.start[:, None, None]
+        idx = torch.where(pos < 0, -1, torch.where(pos >= start, W + pos - start, pos % W))
+        self.write_ring(layer, kv, step)
+        if r:
+            n_entries = b.context_len // r
+            if args.is_kv_source(layer):
+                self.compress(block, x, step)
+            ckv, keys = (self.stream(pool, b.block_tables, n_entries) for pool in
+                         self.entries[args.kv_source_of(layer)])
+            if args.is_index_source(layer):
+                shared["topk"] = select_entries(args, block, x, qr, keys, step.positions, freqs, n_entries, shared)
+                capture(layer, "topk", shared["topk"])
+            topk = shared["topk"]
+            idx = torch.cat([idx, torch.where(topk >= 0, topk + W + S, -1)], dim=-1)
+            source = torch.cat([source, ckv], dim=1)
+        o = sparse_attn(q, source, attn.attn_sink, idx, attn.softmax_scale)
+        capture(layer, "sparse_attn", o)
+        out = attn.output(o, freqs)
+        capture(layer, "attn_out", out)
+        return out
+
+    def write_ring(self, layer: int, kv: torch.Tensor, step: _Step) -> None:
+        """Each row's last min(n, W) window latents go to their ring positions p % W."""
+        keep = step.valid & (step.positions >= step.end[:, None] - self.args.window_size)
+        slots = torch.where(keep, step.batch.state_slots[:, None], self.trash_slot)
+        self.ring[layer, slots, step.positions % self.args.window_size] = kv
+
+    @staticmethod
+    def stream(pool: torch.Tensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:
+        """A row's first n_entries entries of one stream, gathered through its block table: [B, n, D]."""
+        per_block = pool.size(1)
+        n_blocks = -(-n_entries // per_block)
+        return pool[block_tables[:, :n_blocks]].flatten(1, 2)[:, :n_entries]
+
+    def compress(self, block: Block, x: torch.Tensor, step: _Step) -> None:
+        """A kv source's new entries (spec §7.3a): pool every group that closes in this chunk, with its
+        members before s taken from the slot's tail, then write index keys and compressed KV to blocks."""
+        attn, layer, b = block.attn, block.layer, step.batch
+        r, pos = attn.ratio, step.positions
+        a, g = attn.compressor.project(x)  # [B, S, D]
+        if g is None:
+            latent = attn.compressor.pool(a, None)
+        else:
+            tail_a, tail_g = self.tails[layer]
+            member = pos[..., None] - r + 1 + torch.arange(r, device=x.device)  # [B, S, r] group positions
+            start = b.start[:, None, None]
+            idx = torch.where(member >= start, r + member - start, member.clamp_min(0) % r)
+            gather = lambda tail, t: torch.cat([tail[b.state_slots], t], 1)[step.rows[..., None], idx]  # noqa: E731
+            latent = attn.compressor.pool(gather(tail_a, a), gather(tail_g, g))
+            # the members of a group still open at the end of the chunk wait in the tail
+            keep = step.valid & (pos >= (step.end // r * r)[:, None])
+            slots = torch.where(keep, b.state_slots[:, None], self.trash_slot)
+            tail_a[slots, pos % r], tail_g[slots, pos % r] = a, g
+        closes = step.valid & ((pos + 1) % r == 0)
+        j = pos // r  # the entry a closing token completes; it sits at position j·r
+        freqs = self.weights.rope(r, x.device)[(j * r).clamp(max=self.args.max_seq_len - 1)]
+        keys = attn.indexer.keys(latent, freqs)
+        ckv = compressed_kv(latent, freqs, self.args.rope_head_dim)
+        ckv_pool, key_pool = self.entries[layer]
+        per_block = ckv_pool.size(1)
+        blocks = b.block_tables.gather(1, (j // per_block).clamp(max=b.block_tables.size(1) - 1))
+        blocks = torch.where(closes, blocks, self.trash_block)
+        ckv_pool[blocks, j % per_block] = ckv
+        key_pool[blocks, j % per_block] = keys
