@@ -251,6 +251,7 @@ def select_entries(args: ModelArgs, block, x, qr, keys, positions, freqs, n_entr
     if layer == args.candidate_source_layer:
         shared["candidates"] = select_candidate_blocks(scores, visible, args.candidate_topk_blocks,
                                                        args.candidate_block_size, args.topk_tie_rule)
+        shared["capture"](layer, "candidates", shared["candidates"])
     elif args.uses_candidates(layer):
         scores = scores.masked_fill(~shared["candidates"], -torch.inf)
     shared["capture"](layer, "index_scores", scores)

@@ -1,0 +1,150 @@
+"""The paged batched model against the plain reference (issue #2; ARCHITECTURE.md §6 rules).
+
+Every test runs sequences through model/paged.py in some batching and chunking, then compares each
+position's logits with the reference's single-shot forward of the whole sequence: choices first
+(a near tie ends the comparison, a clear-gap difference fails), then logits within 0.05 (bf16).
+Uses the `micro` and `stress` presets so that CI stays fast.
+"""
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from model.checkpoint import init_weights
+from model.compare import TOL_BF16, Choices, compare_rows, explain
+from model.config import preset
+from model.paged import BLOCK_SIZE, ForwardBatch, PagedModel
+from model.reference import ReferenceModel
+from model.transformer import Transformer
+
+
+@pytest.fixture(scope="module", params=["micro"])
+def model(request):
+    m = Transformer(preset(request.param))
+    init_weights(m.named_parameters(), seed=0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def stress():
+    m = Transformer(preset("stress"))
+    init_weights(m.named_parameters(), seed=1)
+    return m
+
+
+@dataclass
+class Row:
+    logits: torch.Tensor
+    choices: Choices
+    row: int  # flattened [B, S] row in that step's capture
+
+
+class Paged:
+    """Drives PagedModel with explicit rows (seq, start, tokens); each sequence owns distinct blocks."""
+
+    def __init__(self, model: Transformer, n_seqs: int, max_len: int = 1024):
+        self.model, self.blocks_per_seq = model, -(-max_len // BLOCK_SIZE)
+        self.paged = PagedModel(model, num_blocks=n_seqs * self.blocks_per_seq, num_slots=n_seqs)
+        self.out: dict[int, dict[int, Row]] = {}
+
+    def step(self, rows: list[tuple[int, int, torch.Tensor]]) -> None:
+        S = max(len(t) for *_, t in rows)
+        ids = torch.zeros(len(rows), S, dtype=torch.long)
+        for i, (*_, t) in enumerate(rows):
+            ids[i, :len(t)] = t
+        tables = [[seq * self.blocks_per_seq + k for k in range(self.blocks_per_seq)] for seq, *_ in rows]
+        batch = ForwardBatch(ids, torch.tensor([s for _, s, _ in rows]), torch.tensor([len(t) for *_, t in rows]),
+                             torch.tensor(tables), torch.tensor([seq for seq, *_ in rows]),
+                             max(s + len(t) for _, s, t in rows), all(len(t) == 1 and s > 0 for _, s, t in rows))
+        choices = Choices(self.model.args)
+        hooks = choices.hooks(self.model)
+        logits = self.paged.forward(batch, all_logits=True, capture=choices.capture)
+        for h in hooks:
+            h.remove()
+        for b, (seq, start, t) in enumerate(rows):
+            for i in range(len(t)):
+                self.out.setdefault(seq, {})[start + i] = Row(logits[b, i], choices, b * S + i)
+
+    def compare(self, seq: int, tokens: torch.Tensor):
+        """This sequence's recorded positions against the reference over `tokens`."""
+        ref_choices = Choices(self.model.args)
+        hooks = ref_choices.hooks(self.model)
+        ref = ReferenceModel(self.model).forward(tokens, capture=ref_choices.capture)
+        for h in hooks:
+            h.remove()
+        positions = sorted(self.out[seq])
+        got = torch.stack([self.out[seq][p].logits for p in positions])
+        return compare_rows(ref[positions], got, TOL_BF16,
+                            lambda i: explain(ref_choices, positions[i], self.out[seq][positions[i]].choices,
+                                              self.out[seq][positions[i]].row))
+
+
+def prompts(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def assert_agrees(result, at_least: int):
+    assert result.ok, result.failures
+    assert result.compared >= at_least, f"only {result.compared} rows compared before {result.near_tie}"
+
+
+def test_one_batch_prefill_of_four_prompts_matches_reference(model):
+    seqs = prompts([37, 130, 300, 520], model.args.vocab_size)
+    run = Paged(model, 4)
+    run.step([(i, 0, t) for i, t in enumerate(seqs)])
+    for i, t in enumerate(seqs):
+        assert_agrees(run.compare(i, t), at_least=min(len(t), 100))
+
+
+@pytest.mark.parametrize("chunk", [128, 200, 37])
+def test_chunked_prefill_matches_reference(model, chunk):
+    """Chunks of 37 and 200 put ratio-2 groups and KV block boundaries across chunk boundaries."""
+    (t,) = prompts([520], model.args.vocab_size, seed=chunk)
+    run = Paged(model, 1)
+    for s in range(0, len(t), chunk):
+        run.step([(0, s, t[s:s + chunk])])
+    assert_agrees(run.compare(0, t), at_least=100)
+
+
+def test_prefill_then_decode_with_rows_at_different_positions(model):
+    lengths = [37, 130, 255, 300]
+    seqs = prompts([n + 40 for n in lengths], model.args.vocab_size, seed=7)
+    run = Paged(model, 4)
+    run.step([(i, 0, t[:n]) for i, (t, n) in enumerate(zip(seqs, lengths))])
+    for k in range(40):  # teacher-forced decode: one batch, four positions
+        run.step([(i, n + k, t[n + k:n + k + 1]) for i, (t, n) in enumerate(zip(seqs, lengths))])
+    for i, t in enumerate(seqs):
+        assert_agrees(run.compare(i, t), at_least=37)
+
+
+def test_mixed_step_of_a_later_chunk_and_a_fresh_prompt(model):
+    a, b = prompts([400, 150], model.args.vocab_size, seed=3)
+    run = Paged(model, 2)
+    run.step([(0, 0, a[:201])])
+    run.step([(0, 201, a[201:]), (1, 0, b)])
+    assert_agrees(run.compare(0, a), at_least=100)
+    assert_agrees(run.compare(1, b), at_least=100)
+
+
+def test_stress_window_wraps_many_times(stress):
+    """Window 16: the ring wraps every 16 positions through a chunked prefill and 60 decode steps."""
+    (t,) = prompts([197 + 60], stress.args.vocab_size, seed=5)
+    run = Paged(stress, 1)
+    for s in range(0, 197, 37):
+        run.step([(0, s, t[s:min(s + 37, 197)])])
+    for p in range(197, len(t)):
+        run.step([(0, p, t[p:p + 1])])
+    assert_agrees(run.compare(0, t), at_least=60)
+
+
+def test_a_corrupted_state_slot_is_caught(model):
+    """The comparison is not vacuous: damaging one layer's window ring after prefill must fail."""
+    (t,) = prompts([120], model.args.vocab_size, seed=11)
+    run = Paged(model, 1)
+    run.step([(0, 0, t[:100])])
+    run.paged.ring[0, 0] *= 1.5
+    for p in range(100, 120):
+        run.step([(0, p, t[p:p + 1])])
+    result = run.compare(0, t)
+    assert not result.ok and result.compared == 100, result
