@@ -201,7 +201,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     max before P·V while the denominator sums fp32. Returns bf16 [B,S,H,D]; a row with no index gives 0.
     """
     B, S, H, D = q.shape
-    qf, scale_t = q.float(), torch.tensor(scale, dtype=torch.float32, device=q.device)
+    qf = q.float()
     acc = torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device)
     den = torch.zeros(B, S, H, dtype=torch.float32, device=q.device)
     run_max = torch.full((B, S, H), -1e30, dtype=torch.float32, device=q.device)  # the sink is not in the max
@@ -211,7 +211,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         valid = blk >= 0
         kv_blk = kv[rows, blk.clamp_min(0)].float() * valid.unsqueeze(-1)  # [B,S,k,D]
         s = torch.einsum("bshd,bskd->bshk", qf, kv_blk)
-        s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale_t
+        s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale  # an fp32 multiply, as the kernel's
         prev = run_max
         run_max = torch.maximum(prev, s.amax(-1))
         rescale = torch.exp(prev - run_max)

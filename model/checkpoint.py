@@ -235,3 +235,31 @@ def default_checkpoint(name: str = "tiny-68m", seed: int = 0, specs=None) -> Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def load_model(model: str = "tiny-68m", device: str = "cpu"):
+    """A `Transformer` with its weights, from a preset name (the embedded default checkpoint, created on
+    first use) or a checkpoint folder. Returns (model, digest). Raises CheckpointError in one sentence."""
+    from model.config import PRESETS
+    from model.transformer import Transformer
+
+    path = default_checkpoint(model) if model in PRESETS and not Path(model).is_dir() else Path(model)
+    try:
+        args = ModelArgs.load(path / CONFIG_FILE)
+    except ConfigError as e:
+        raise CheckpointError(f"no usable checkpoint at {path}: {e}") from None
+    expected = {n: (tuple(shape), dtype) for n, shape, dtype in parameter_specs(args)}
+    loaded = load_checkpoint(path, expected)
+    with torch.device("meta"):
+        transformer = Transformer(loaded.args)
+    transformer.load_state_dict(loaded.tensors, assign=True)
+    return transformer.to(device), loaded.digest
+
+
+def init_checkpoint(preset_name: str, seed: int, out: str | Path) -> str:
+    """`mdi-trace checkpoint init`: a fresh checkpoint folder from a preset and a seed; returns its digest."""
+    args = preset(preset_name)
+    tensors = [(n, torch.empty(shape, dtype=dtype)) for n, shape, dtype in parameter_specs(args)]
+    init_weights(tensors, seed)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return save_checkpoint(out, args, tensors)

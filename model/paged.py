@@ -111,7 +111,7 @@ class PagedModel:
         fresh = start_history(self.args, token_map, b.input_ids.size(0))
         history = torch.where((b.start == 0)[:, None], fresh, self.history[b.state_slots])
         self.history[b.state_slots] = engram_history(history, comp, b.num_tokens)
-        return hash_ids(w.engram_layout.to(comp.device), comp, history)
+        return hash_ids(w.layout(comp.device), comp, history)
 
     def attend(self, block: Block, x: torch.Tensor, step: _Step, shared: dict) -> torch.Tensor:
         """The attention sublayer (spec §7.3 steps 1-4) over x bf16 [B, S, d]."""

@@ -36,7 +36,7 @@ class ReferenceModel:
         if w.engram_layout is not None:  # §4.2: n-gram row ids, the history padded at the start
             token_map = w.token_map(device)
             history = start_history(self.args, token_map, 1)
-            row_ids = hash_ids(w.engram_layout.to(device), token_map[tokens], history)
+            row_ids = hash_ids(w.layout(device), token_map[tokens], history)
         h = w.embed_tokens(tokens)  # [1, S, hc, d]
         pre_mix = identity_pre_mix(h)
         shared: dict = {"capture": capture}  # what sources hand to later layers (spec §7.1 shared_attn)

@@ -64,7 +64,8 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args.check()
-        self.engram_layout = EngramLayout.from_args(args)
+        with torch.device("cpu"):  # host tables, even when the parameters are built on the meta device
+            self.engram_layout = EngramLayout.from_args(args)
         self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=torch.bfloat16, _weight=torch.empty(
             args.vocab_size, args.dim, dtype=torch.bfloat16))
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
@@ -73,7 +74,15 @@ class Transformer(nn.Module):
         self.head.weight = nn.Parameter(torch.empty(args.vocab_size, args.dim, dtype=torch.float32))
         self._rope: dict[tuple, torch.Tensor] = {}
         self._token_map: dict[str, torch.Tensor] = {}
+        self._layouts: dict[str, EngramLayout] = {}
         self.tokenizer = None  # set by a checkpoint that brings tokenizer.json (engram_token_map "tokenizer")
+
+    def layout(self, device) -> EngramLayout:
+        """The Engram hash layout on `device`, copied once (a copy per forward would sync on CUDA)."""
+        key = str(device)
+        if key not in self._layouts:
+            self._layouts[key] = self.engram_layout.to(device)
+        return self._layouts[key]
 
     def token_map(self, device) -> torch.Tensor:
         """Token id -> Engram's compressed id, int64 [vocab] (spec §4.2 step 1), cached per device."""

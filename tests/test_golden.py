@@ -21,6 +21,9 @@ from model.paged import ForwardBatch, PagedModel
 from model.reference import ReferenceModel
 from model.transformer import Transformer
 
+# The golden outputs are bits of torch 2.13's CPU kernels: another build computes other bits.
+pytestmark = pytest.mark.skipif(not torch.__version__.startswith("2.13."),
+                                reason="golden bits were produced by torch 2.13 on CPU")
 GOLDEN = load_file(DATA / "tiny-68m-seed0.outputs.safetensors")
 PROMPTS = json.loads((DATA / "tiny-68m-seed0.prompts.json").read_text())
 LOGIT_SHA = {"A": "4af054c18dda35fbf139fe0d585c346673e2e086a20d51f956e17b664a28597d",

@@ -53,8 +53,10 @@ class Paged:
         for i, (*_, t) in enumerate(rows):
             ids[i, :len(t)] = t
         tables = [[seq * self.blocks_per_seq + k for k in range(self.blocks_per_seq)] for seq, *_ in rows]
-        batch = ForwardBatch(ids, torch.tensor([s for _, s, _ in rows]), torch.tensor([len(t) for *_, t in rows]),
-                             torch.tensor(tables), torch.tensor([seq for seq, *_ in rows]),
+        dev = self.model.head.weight.device
+        tensor = lambda x: torch.tensor(x, device=dev)  # noqa: E731
+        batch = ForwardBatch(ids.to(dev), tensor([s for _, s, _ in rows]), tensor([len(t) for *_, t in rows]),
+                             tensor(tables), tensor([seq for seq, *_ in rows]),
                              max(s + len(t) for _, s, t in rows), all(len(t) == 1 and s > 0 for _, s, t in rows))
         choices = Choices(self.model.args)
         hooks = choices.hooks(self.model)
@@ -63,13 +65,13 @@ class Paged:
             h.remove()
         for b, (seq, start, t) in enumerate(rows):
             for i in range(len(t)):
-                self.out.setdefault(seq, {})[start + i] = Row(logits[b, i], choices, b * S + i)
+                self.out.setdefault(seq, {})[start + i] = Row(logits[b, i].cpu(), choices, b * S + i)
 
     def compare(self, seq: int, tokens: torch.Tensor):
         """This sequence's recorded positions against the reference over `tokens`."""
         ref_choices = Choices(self.model.args)
         hooks = ref_choices.hooks(self.model)
-        ref = ReferenceModel(self.model).forward(tokens, capture=ref_choices.capture)
+        ref = ReferenceModel(self.model).forward(tokens, capture=ref_choices.capture).cpu()
         for h in hooks:
             h.remove()
         positions = sorted(self.out[seq])

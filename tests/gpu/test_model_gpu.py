@@ -1,0 +1,76 @@
+"""The model on CUDA (bf16): paged vs reference, against the CPU run and the golden outputs, and no
+host synchronisation inside the paged forward. Skipped without CUDA, and a skip is not a pass."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from conftest import DATA  # noqa: E402
+from test_model import Paged, assert_agrees, prompts  # noqa: E402
+
+from model.checkpoint import init_weights  # noqa: E402
+from model.compare import TOL_BF16, Choices, compare_rows, explain  # noqa: E402
+from model.config import preset  # noqa: E402
+from model.paged import ForwardBatch, PagedModel  # noqa: E402
+from model.reference import ReferenceModel  # noqa: E402
+from model.transformer import Transformer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def build(name: str, device: str) -> Transformer:
+    m = Transformer(preset(name))
+    init_weights(m.named_parameters(), seed=0)
+    return m.to(device)
+
+
+def test_paged_matches_reference_on_cuda():
+    model = build("micro", "cuda")
+    lengths = [37, 130, 300, 520]
+    seqs = prompts([n + 30 for n in lengths], model.args.vocab_size, seed=7)
+    run = Paged(model, 4)
+    run.step([(i, 0, t[:n]) for i, (t, n) in enumerate(zip(seqs, lengths))])
+    for k in range(30):
+        run.step([(i, n + k, t[n + k:n + k + 1]) for i, (t, n) in enumerate(zip(seqs, lengths))])
+    for i, t in enumerate(seqs):
+        result = run.compare(i, t)
+        print(f"seq {i}: compared {result.compared} rows, max diff {result.max_diff:.3g}, {result.near_tie}")
+        assert_agrees(result, at_least=30)
+
+
+def test_cuda_reference_agrees_with_cpu_on_golden_prompts():
+    cpu, gpu = build("tiny-68m", "cpu"), build("tiny-68m", "cuda")
+    for name, tokens in json.loads((DATA / "tiny-68m-seed0.prompts.json").read_text()).items():
+        runs = []
+        for model in (cpu, gpu):
+            choices = Choices(model.args)
+            hooks = choices.hooks(model)
+            runs.append((ReferenceModel(model).forward(tokens, capture=choices.capture).cpu(), choices))
+            for h in hooks:
+                h.remove()
+        (a, ca), (b, cb) = runs
+        result = compare_rows(a, b, TOL_BF16, lambda i: explain(ca, i, cb, i))
+        print(f"{name}: compared {result.compared} rows, max diff {result.max_diff:.3g}, {result.near_tie}")
+        assert result.ok, result.failures
+
+
+def test_paged_decode_has_no_host_sync():
+    model = build("micro", "cuda")
+    paged = PagedModel(model, num_blocks=8, num_slots=2)
+    dev = "cuda"
+    table, slots = torch.arange(8, device=dev).view(2, 4), torch.arange(2, device=dev)
+    prompt = torch.randint(0, 1000, (2, 200), device=dev)
+    paged.forward(ForwardBatch(prompt, torch.zeros(2, dtype=torch.long, device=dev),
+                               torch.full((2,), 200, device=dev), table, slots, 200, False))
+    batch = ForwardBatch(prompt[:, :1], torch.full((2,), 200, device=dev), torch.ones(2, dtype=torch.long, device=dev),
+                         table, slots, 201, True)
+    paged.forward(batch)  # warm caches (RoPE tables, token map) outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        paged.forward(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
