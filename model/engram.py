@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ConfigError, ModelArgs
+from model.quant import dequantize_fp8_e8m0
 
 SCALE_GROUP = 32  # one e8m0 scale per 32 values of a table row (spec §4.1)
 GATE_CLAMP = 1e-6  # |dot| is clamped here before the signed square root (spec §4.3 step 4)
@@ -157,9 +158,8 @@ class EngramEmbedding(nn.Module):
         self.scale = nn.Parameter(torch.empty(rows, head_dim // SCALE_GROUP, dtype=torch.float8_e8m0fnu))
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
-        values = F.embedding(row_ids, self.weight).float().unflatten(-1, (-1, SCALE_GROUP))  # [..., groups, 32]
-        scales = F.embedding(row_ids, self.scale).float().unsqueeze(-1)  # [..., groups, 1]
-        return (values * scales).flatten(-2).to(torch.bfloat16)  # [..., head_dim]
+        values = dequantize_fp8_e8m0(F.embedding(row_ids, self.weight), F.embedding(row_ids, self.scale))
+        return values.to(torch.bfloat16)  # [..., head_dim]
 
 
 class _Linear(nn.Linear):
