@@ -69,7 +69,7 @@ class Compressor(nn.Module):
         if g is None:
             return self.norm(a)
         pooled = (a * g.softmax(dim=-2)).sum(dim=-2)
-        return self.norm(pooled.to(torch.bfloat16))
+        return self.norm(pooled.to(self.norm.weight.dtype))  # bf16, or fp32 in the fp32 debugging mode
 
 
 class Indexer(nn.Module):
@@ -198,7 +198,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 
     q [B,S,H,D] bf16, kv [B,N,D] bf16 (key = value), sink [H] fp32, idx [B,S,L] (-1 = skip).
     Online softmax over blocks of 64 indices; probabilities are rounded to bf16 against the running
-    max before P·V while the denominator sums fp32. Returns bf16 [B,S,H,D]; a row with no index gives 0.
+    max before P·V while the denominator sums fp32 (in q's dtype: fp32 in the fp32 debugging mode).
+    Returns [B,S,H,D] in q's dtype; a row with no index gives 0.
     """
     B, S, H, D = q.shape
     qf = q.float()
@@ -217,24 +218,45 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         rescale = torch.exp(prev - run_max)
         p = torch.exp(s - run_max.unsqueeze(-1))
         den = den * rescale + p.sum(-1)
-        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", p.to(torch.bfloat16).float(), kv_blk)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", p.to(q.dtype).float(), kv_blk)
     den = den + torch.exp(sink - run_max)
-    return (acc / den.unsqueeze(-1)).to(torch.bfloat16)
+    return (acc / den.unsqueeze(-1)).to(q.dtype)
 
 
-def window_index(positions: torch.Tensor, window: int, width: int, decode: bool) -> torch.Tensor:
-    """Window positions each query attends to, [B,S,width] (-1 = none), in the official order (§2.3).
+def window_index(positions: torch.Tensor, window: int, decode: bool) -> torch.Tensor:
+    """Window positions each query attends to, [B,S,W] (-1 = none), in the official order (§2.3).
 
-    Multi-token rows list max(0,p-W+1)+k for k < width (width = min(W, tokens so far)), positions > p
-    set to -1, so the padding is at the end. One-token decode rows list the whole ring from slot
-    p%W+1: positions p-W+1+k for k < W, those < 0 set to -1, so the padding comes first.
+    Multi-token rows list max(0,p-W+1)+k, positions > p set to -1, so the padding is at the end. One-
+    token decode rows list the whole ring from slot p%W+1: positions p-W+1+k, those < 0 set to -1, so
+    the padding comes first.
     """
     p = positions.unsqueeze(-1)
+    k = torch.arange(window, device=positions.device)
     if decode:
-        pos = p - window + 1 + torch.arange(window, device=positions.device)
+        pos = p - window + 1 + k
         return torch.where(pos >= 0, pos, -1)
-    pos = (p - window + 1).clamp_min(0) + torch.arange(width, device=positions.device)
+    pos = (p - window + 1).clamp_min(0) + k
     return torch.where(pos <= p, pos, -1)
+
+
+def attention_list(window: torch.Tensor, window_len: torch.Tensor, compressed: torch.Tensor,
+                   compressed_len: torch.Tensor) -> torch.Tensor:
+    """The index list of each query [B,S,W+K]: its row's first `window_len` window entries, then its
+    first `compressed_len` compressed entries, then -1 padding.
+
+    The lengths are the row's own, as the official code computes them for a chunk alone: window
+    min(tokens so far, W) (W for a decode row), compressed min(K, tokens so far // r). So the list, and
+    with it the kernel's block partition (spec §2.8), is the same whatever else shares the batch.
+    window [B,S,W] and compressed [B,S,K] hold indices into the attention's KV rows, -1 = none."""
+    W, K = window.size(-1), compressed.size(-1)
+    j = torch.arange(W + K, device=window.device)
+    wl, cl = window_len.view(-1, 1, 1), compressed_len.view(-1, 1, 1)
+    shape = (*window.shape[:2], W + K)
+    listed = window.gather(-1, j.clamp(max=W - 1).expand(shape))
+    if K:
+        from_compressed = compressed.gather(-1, (j - wl).clamp(0, K - 1).expand(shape))
+        listed = torch.where(j < wl, listed, torch.where(j - wl < cl, from_compressed, -1))
+    return torch.where(j < wl + (cl if K else 0), listed, -1)
 
 
 def select_entries(args: ModelArgs, block, x, qr, keys, positions, freqs, n_entries: int, shared: dict) -> torch.Tensor:

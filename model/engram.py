@@ -184,7 +184,7 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """x [..., hc, dim] bf16, row_ids [..., n_hash_cols] -> [..., hc, dim] bf16."""
-        kv = self.wkv(self.embed(row_ids).flatten(-2))  # [..., (hc + 1) * dim] bf16
+        kv = self.wkv(self.embed(row_ids).to(self.wkv.weight.dtype).flatten(-2))  # [..., (hc+1)·dim]; bf16 rows are exact in fp32
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         h = x.float()
         gate = self.gate(h, key.float().unflatten(-1, (self.hc_mult, self.dim)))  # [..., hc]

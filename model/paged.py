@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import compressed_kv, select_entries, sparse_attn, window_index
+from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, window_index
 from model.engram import engram_history, hash_ids, start_history
 from model.hc import identity_pre_mix
 from model.transformer import Block, Transformer
@@ -64,7 +64,7 @@ class PagedModel:
         a, dev = self.args, weights.head.weight.device
         self.num_blocks, self.num_slots = num_blocks, num_slots
         self.trash_block, self.trash_slot = num_blocks, num_slots  # write-only sinks for masked writes
-        zeros = dict(dtype=torch.bfloat16, device=dev)
+        zeros = dict(dtype=weights.embed.weight.dtype, device=dev)  # bf16, or fp32 in the debugging mode
         self.ring = torch.zeros(a.n_layers, num_slots + 1, a.window_size, a.head_dim, **zeros)
         self.entries, self.tails = {}, {}
         for layer in a.kv_source_layers:
@@ -124,7 +124,7 @@ class PagedModel:
         capture(layer, "window_kv", kv)
         # window keys: positions < s from the slot's ring (index p % W), the rest from this chunk (W + p - s)
         source = torch.cat([self.ring[layer, b.state_slots], kv], dim=1)  # [B, W + S, D]
-        pos = window_index(step.positions, W, min(W, b.context_len), b.decode)
+        pos = window_index(step.positions, W, b.decode)
         start = b.start[:, None, None]
         idx = torch.where(pos < 0, -1, torch.where(pos >= start, W + pos - start, pos % W))
         self.write_ring(layer, kv, step)
@@ -138,7 +138,9 @@ class PagedModel:
                 shared["topk"] = select_entries(args, block, x, qr, keys, step.positions, freqs, n_entries, shared)
                 capture(layer, "topk", shared["topk"])
             topk = shared["topk"]
-            idx = torch.cat([idx, torch.where(topk >= 0, topk + W + S, -1)], dim=-1)
+            window_len = torch.full_like(step.end, W) if b.decode else step.end.clamp(max=W)
+            compressed_len = (step.end // r).clamp(max=args.index_topk)
+            idx = attention_list(idx, window_len, torch.where(topk >= 0, topk + W + S, -1), compressed_len)
             source = torch.cat([source, ckv], dim=1)
         o = sparse_attn(q, source, attn.attn_sink, idx, attn.softmax_scale)
         capture(layer, "sparse_attn", o)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from model.attention import compressed_kv, select_entries, sparse_attn, window_index
+from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, window_index
 from model.engram import hash_ids, start_history
 from model.hc import identity_pre_mix
 from model.transformer import Block, Transformer
@@ -56,7 +56,8 @@ class ReferenceModel:
         freqs = self.weights.rope(r, x.device)[None, :S]
         qr, q = attn.queries(x, freqs)
         kv = attn.window_kv(x, freqs)  # §2.1, §2.3: the window keys are this sequence's own rows
-        idx = window_index(positions, args.window_size, min(S, args.window_size), decode=False)
+        idx = window_index(positions, args.window_size, decode=False)
+        window_len = torch.tensor([min(S, args.window_size)], device=x.device)
         capture(layer, "window_kv", kv)
         if r:
             n_entries = S // r
@@ -69,7 +70,8 @@ class ReferenceModel:
                 shared["topk"] = select_entries(args, block, x, qr, keys, positions, freqs, n_entries, shared)
                 capture(layer, "topk", shared["topk"])
             topk = shared["topk"]
-            idx = torch.cat([idx, torch.where(topk >= 0, topk + S, -1)], dim=-1)
+            compressed_len = torch.tensor([min(args.index_topk, n_entries)], device=x.device)
+            idx = attention_list(idx, window_len, torch.where(topk >= 0, topk + S, -1), compressed_len)
             kv = torch.cat([kv, ckv], dim=1)
         o = sparse_attn(q, kv, attn.attn_sink, idx, attn.softmax_scale)  # §2.8
         capture(layer, "sparse_attn", o)

@@ -91,6 +91,15 @@ class Transformer(nn.Module):
             self._token_map[key] = compressed_token_map(self.args, self.tokenizer).to(device)
         return self._token_map[key]
 
+    def to_fp32(self) -> "Transformer":
+        """The fp32 debugging mode (ARCHITECTURE.md §6): every bf16 parameter becomes fp32 (the same
+        values), so activations stay fp32 where the official code rounds to bf16; the FP8/FP4
+        quantisation simulations and the FP8 Engram tables still apply. Not the official numerics."""
+        for p in self.parameters():
+            if p.dtype == torch.bfloat16:
+                p.data = p.data.float()
+        return self
+
     def rope(self, ratio: int, device) -> torch.Tensor:
         """The RoPE table of layers with this compress ratio (spec §2.2), cached per device."""
         key = (bool(ratio), str(device))
