@@ -29,24 +29,34 @@ class ReferenceModel:
     @torch.inference_mode()
     def forward(self, tokens: list[int] | torch.Tensor, capture: Capture | None = None) -> torch.Tensor:
         """fp32 logits [S, vocab] at every position of `tokens` (spec §7.3 with s = 0, n = S)."""
+        h, pre_mix, row_ids, shared = self.start(tokens, capture)
+        for block in self.weights.layers:
+            h, pre_mix = self.layer(block, h, pre_mix, row_ids, shared)
+        return self.weights.logits(h, pre_mix)[0]
+
+    def start(self, tokens, capture: Capture | None = None):
+        """The inputs of layer 0: (stream [1,S,hc,d], pre_mix, Engram row ids, shared). `shared` holds
+        what sources hand to later layers in one forward (spec §7.1 shared_attn) and the capture hook."""
         w, device = self.weights, self.weights.head.weight.device
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=device)[None]  # [1, S]
-        capture = capture or (lambda *_: None)
         row_ids = None
         if w.engram_layout is not None:  # §4.2: n-gram row ids, the history padded at the start
             token_map = w.token_map(device)
             history = start_history(self.args, token_map, 1)
             row_ids = hash_ids(w.layout(device), token_map[tokens], history)
         h = w.embed_tokens(tokens)  # [1, S, hc, d]
-        pre_mix = identity_pre_mix(h)
-        shared: dict = {"capture": capture}  # what sources hand to later layers (spec §7.1 shared_attn)
-        for block in w.layers:
-            if block.engram is not None:  # Engram runs before its block (spec §4.1)
-                h = block.engram(h, row_ids[:, :, block.engram.layer_index])
-                capture(block.layer, "engram", h)
-            h, pre_mix = block(h, pre_mix, lambda x, b=block: self.attend(b, x, shared))
-            capture(block.layer, "block", h)
-        return w.logits(h, pre_mix)[0]
+        return h, identity_pre_mix(h), row_ids, {"capture": capture or (lambda *_: None)}
+
+    @torch.inference_mode()
+    def layer(self, block: Block, h, pre_mix, row_ids, shared: dict):
+        """One layer: Engram before its block (spec §4.1), then the block (spec §3). -> (h, pre_mix)"""
+        capture = shared["capture"]
+        if block.engram is not None:
+            h = block.engram(h, row_ids[:, :, block.engram.layer_index])
+            capture(block.layer, "engram", h)
+        h, pre_mix = block(h, pre_mix, lambda x: self.attend(block, x, shared))
+        capture(block.layer, "block", h)
+        return h, pre_mix
 
     def attend(self, block: Block, x: torch.Tensor, shared: dict) -> torch.Tensor:
         """The attention sublayer of one block over the whole sequence x bf16 [1, S, d] (spec §2)."""

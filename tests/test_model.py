@@ -189,3 +189,19 @@ def test_tiny_68m_batch_of_four_prompts_then_decode(tiny):
         run.step([(i, n + k, t[n + k:n + k + 1]) for i, (t, n) in enumerate(zip(seqs, lengths))])
     for i, (t, n) in enumerate(zip(seqs, lengths)):
         assert_agrees(run.compare(i, t), at_least=min(n, 100))
+
+
+def test_layer_by_layer_comparison_localises_a_changed_weight(model):
+    """Teacher forcing (ARCHITECTURE.md §6, per module with identical inputs): a 1% change of one
+    layer's shared expert shows in that layer only, and identical weights show nothing."""
+    from model.compare import compare_layers
+
+    changed = Transformer(preset("micro"))
+    changed.load_state_dict(model.state_dict())
+    (tokens,) = prompts([300], model.args.vocab_size, seed=1)
+    same = compare_layers(ReferenceModel(model), ReferenceModel(changed), tokens, 1e-5)
+    assert all(r.max_rel == 0 and not r.failures for r in same)
+    with torch.no_grad():
+        changed.layers[5].ffn.shared_experts.w2.weight.mul_(1.01)
+    results = compare_layers(ReferenceModel(model), ReferenceModel(changed), tokens, 1e-5)
+    assert [r.layer for r in results if r.failures] == [5]
