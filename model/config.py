@@ -114,44 +114,44 @@ class ModelArgs:
         quantisation sims of spec §2.5 cannot group)."""
         r, n = self.compress_ratios, self.n_layers
         problems = [
-            (len(r) == n, f"compress_ratios has {len(r)} entries but n_layers is {n}"),
-            (all(x in (0, 1, 2) for x in r), f"compress_ratios {list(r)} may hold only 0, 1 and 2 (V4.1)"),
-            (all(0 <= s < n and r[s] > 0 for s in self.kv_source_layers + self.index_source_layers),
+            (lambda: len(r) == n, f"compress_ratios has {len(r)} entries but n_layers is {n}"),
+            (lambda: all(x in (0, 1, 2) for x in r), f"compress_ratios {list(r)} may hold only 0, 1 and 2 (V4.1)"),
+            (lambda: all(0 <= s < n and r[s] > 0 for s in self.kv_source_layers + self.index_source_layers),
              "every kv and index source layer must exist and have compress ratio > 0"),
-            (set(self.kv_source_layers) <= set(self.index_source_layers),
+            (lambda: set(self.kv_source_layers) <= set(self.index_source_layers),
              "every kv source layer must also be an index source layer (index keys are written by its indexer)"),
-            (self.candidate_source_layer < 0 or self.candidate_source_layer in self.index_source_layers,
+            (lambda: self.candidate_source_layer < 0 or self.candidate_source_layer in self.index_source_layers,
              "the candidate source layer must be an index source layer"),
-            (not any(r) or r.index(next(x for x in r if x)) in self.kv_source_layers,
+            (lambda: not any(r) or r.index(next(x for x in r if x)) in self.kv_source_layers,
              "the first compressed layer must be a kv source layer"),
-            (all(r[i] == 0 or (any(s <= i for s in self.kv_source_layers)
+            (lambda: all(r[i] == 0 or (any(s <= i for s in self.kv_source_layers)
                                and r[self.kv_source_of(i)] == r[i] and r[self.index_source_of(i)] == r[i])
                  for i in range(n)),
              "every compressed layer must share its compress ratio with its kv and index sources"),
-            (self.candidate_source_layer < 0 or
+            (lambda: self.candidate_source_layer < 0 or
              (self.candidate_topk_blocks - 1) * self.candidate_block_size + 1 >= self.index_topk,
              "(candidate_topk_blocks - 1) * candidate_block_size + 1 must be >= index_topk (spec §2.7)"),
-            (self.head_dim % 32 == 0 and self.index_head_dim % 32 == 0 and self.engram_head_dim % 32 == 0,
+            (lambda: self.head_dim % 32 == 0 and self.index_head_dim % 32 == 0 and self.engram_head_dim % 32 == 0,
              "head_dim, index_head_dim and engram_head_dim must be multiples of 32 (quantisation groups)"),
-            (0 < self.rope_head_dim < min(self.head_dim, self.index_head_dim) and self.rope_head_dim % 2 == 0,
+            (lambda: 0 < self.rope_head_dim < min(self.head_dim, self.index_head_dim) and self.rope_head_dim % 2 == 0,
              "rope_head_dim must be even and smaller than head_dim and index_head_dim"),
-            ((self.n_heads * self.head_dim) % self.o_groups == 0 and self.n_heads % self.o_groups == 0,
+            (lambda: (self.n_heads * self.head_dim) % self.o_groups == 0 and self.n_heads % self.o_groups == 0,
              "n_heads must be a multiple of o_groups"),
-            (self.n_shared_experts == 1, "n_shared_experts must be 1 (spec §5)"),
-            (self.score_func == "sqrtsoftplus", "score_func must be sqrtsoftplus (V4.1)"),
-            (self.dtype == "bf16" and self.expert_dtype is None,
+            (lambda: self.n_shared_experts == 1, "n_shared_experts must be 1 (spec §5)"),
+            (lambda: self.score_func == "sqrtsoftplus", "score_func must be sqrtsoftplus (V4.1)"),
+            (lambda: self.dtype == "bf16" and self.expert_dtype is None,
              "only dtype bf16 with expert_dtype null is computed by this model"),
-            (self.n_mtp_layers == 0, "DSpark (n_mtp_layers > 0) is out of scope; set n_mtp_layers to 0"),
-            (len(self.engram_num_embeddings) == len(self.engram_layer_ids)
+            (lambda: self.n_mtp_layers == 0, "DSpark (n_mtp_layers > 0) is out of scope; set n_mtp_layers to 0"),
+            (lambda: len(self.engram_num_embeddings) == len(self.engram_layer_ids)
              and all(0 <= i < n for i in self.engram_layer_ids),
              "engram_num_embeddings needs one entry per engram layer id, each id a layer"),
-            (self.engram_token_map in ("half", "tokenizer"), "engram_token_map must be 'half' or 'tokenizer'"),
-            (self.topk_tie_rule in ("lower-index", "torch"), "topk_tie_rule must be 'lower-index' or 'torch'"),
-            (self.engram_token_map != "half" or self.engram_compressed_vocab_size == self.vocab_size // 2,
+            (lambda: self.engram_token_map in ("half", "tokenizer"), "engram_token_map must be 'half' or 'tokenizer'"),
+            (lambda: self.topk_tie_rule in ("lower-index", "torch"), "topk_tie_rule must be 'lower-index' or 'torch'"),
+            (lambda: self.engram_token_map != "half" or self.engram_compressed_vocab_size == self.vocab_size // 2,
              "with engram_token_map 'half' engram_compressed_vocab_size must be vocab_size // 2"),
         ]
-        for ok, message in problems:
-            if not ok:
+        for ok, message in problems:  # in order, each evaluated only once the ones before it hold
+            if not ok():
                 raise ConfigError(f"invalid model config: {message}.")
         return self
 

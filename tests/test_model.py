@@ -87,6 +87,7 @@ def prompts(lengths, vocab, seed=0):
 
 
 def assert_agrees(result, at_least: int):
+    print(f"compared {result.compared} rows, max |diff| {result.max_diff:.3g}, first near tie: {result.near_tie}")
     assert result.ok, result.failures
     assert result.compared >= at_least, f"only {result.compared} rows compared before {result.near_tie}"
 
