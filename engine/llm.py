@@ -1,0 +1,61 @@
+"""The user's entry point: `LLM(...).generate(prompts, sampling_params)` (nano-vllm's and vLLM's API).
+
+    from engine import LLM, SamplingParams
+    llm = LLM("tiny-68m")                       # the embedded checkpoint, created on first use
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from rich.progress import Progress
+
+from engine.llm_engine import LLMEngine
+from engine.scheduler import SchedulerConfig
+from engine.sequence import SamplingParams
+from engine.tokenizer import load_tokenizer
+from model.checkpoint import load_model
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class LLM:
+    def __init__(self, model: str = "tiny-68m", device: str = "cpu", enable_zos: bool = True,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, num_kv_blocks: int | None = None,
+                 num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int = 1):
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' needs a CUDA GPU and none is visible; use device='cpu'.")
+        weights, self.digest = load_model(model, device)
+        blocks_per_seq = -(-weights.args.max_seq_len // 128)
+        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                 num_kv_blocks or max_num_seqs * blocks_per_seq, num_state_slots or max_num_seqs)
+        self.tokenizer = load_tokenizer(model)
+        config.eos_token_id = self.tokenizer.eos_token_id
+        self.engine = LLMEngine(weights, config, enable_zos, seed, tracer, cpu_threads)
+
+    def generate(self, prompts: list[str] | list[list[int]], sampling_params=None,
+                 progress: bool = True) -> list[RequestOutput]:
+        """Run every prompt (text or token ids) to completion; one SamplingParams or one per prompt."""
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params.")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        order = [self.engine.add_request(t, p or SamplingParams()) for t, p in zip(ids, params)]
+        done = {}
+        with Progress(transient=True, disable=not progress) as bar:
+            task = bar.add_task("generating", total=len(order))
+            while self.engine.has_unfinished():
+                for seq in self.engine.step():
+                    done[seq.seq_id] = seq
+                    bar.advance(task)
+        return [RequestOutput(i, done[i].token_ids[:done[i].num_prompt_tokens], done[i].output_token_ids,
+                              self.tokenizer.decode(done[i].output_token_ids), done[i].finish_reason)
+                for i in order]

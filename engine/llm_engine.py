@@ -1,0 +1,99 @@
+"""The engine: requests in, one step at a time, under the step contract (ARCHITECTURE.md §3).
+
+Mirrors DeepInfer's engine loop (nano-vllm's engine/llm_engine.py). With ZOS on, step N is
+scheduled and enqueued before step N-1's result is read:
+
+    schedule(N)  ->  execute(N)  ->  process(N-1)      (the device runs N-1 while the CPU schedules N)
+
+With ZOS off the same step is schedule(N), execute(N), process(N). Cancellations requested between
+steps are applied at the start of the next step, before it is scheduled.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+from engine.model_runner import ModelRunner, StepHandle
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import SamplingParams, Sequence
+from engine.tracer import NullTracer
+from kernels.sampling import mix_seed
+from model.transformer import Transformer
+
+
+class LLMEngine:
+    def __init__(self, weights: Transformer, config: SchedulerConfig, enable_zos: bool = True, seed: int = 0,
+                 tracer=None, cpu_threads: int = 1):
+        self.tracer = tracer or NullTracer()
+        self.config, self.enable_zos, self.seed = config, enable_zos, seed
+        self.max_seq_len = weights.args.max_seq_len
+        self.scheduler = Scheduler(config, self.tracer)
+        self.runner = ModelRunner(weights, config.num_kv_blocks, config.num_state_slots, cpu_threads)
+        self.in_flight: StepHandle | None = None  # under ZOS: the step whose result is not processed yet
+        self.pending_aborts: list[int] = []
+        self.next_id = 0
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
+        params = (params or SamplingParams()).check()
+        total = len(prompt_token_ids) + params.max_tokens
+        if not prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token.")
+        if total > self.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)}) plus max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's max_seq_len {self.max_seq_len}.")
+        if -(-total // 128) > self.config.num_kv_blocks:
+            raise ValueError(f"a request of {total} tokens needs {-(-total // 128)} KV blocks, more than the "
+                             f"{self.config.num_kv_blocks} in the pool; raise num_kv_blocks.")
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        seed = params.seed if params.seed is not None else mix_seed(self.seed, seq_id)
+        self.scheduler.add(Sequence(seq_id, prompt_token_ids, params, seed))
+        self.tracer.request_added(seq_id, list(prompt_token_ids), params, seed)
+        return seq_id
+
+    def abort(self, request_id: int) -> None:
+        """Cancel a request; it finishes with reason "abort" at the start of the next step."""
+        self.pending_aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    def step(self) -> list[Sequence]:
+        """One step of the contract. Returns the sequences that finished in it (aborted ones included)."""
+        finished = [s for s in map(self.scheduler.abort, self.pending_aborts) if s is not None]
+        self.pending_aborts = []
+        t0 = time.perf_counter_ns()
+        batch = self.scheduler.schedule()
+        t1 = time.perf_counter_ns()
+        handle = self.runner.execute(batch) if batch is not None and batch.rows else None
+        t2 = time.perf_counter_ns()
+        if batch is not None:
+            self.tracer.cpu_span(batch.step, "schedule", t0, t1)
+            self.tracer.cpu_span(batch.step, "execute", t1, t2)
+        if self.enable_zos:
+            done, self.in_flight = self.in_flight, handle
+        else:
+            done = handle
+        if done is not None:
+            finished += self.process(done)
+        elif batch is None and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler can make no progress: no request fits the KV blocks and "
+                               "state slots that are free.")
+        return finished
+
+    def process(self, handle: StepHandle) -> list[Sequence]:
+        tokens = handle.wait()
+        t0 = time.perf_counter_ns()
+        self.tracer.device_span(handle.batch.step, *handle.device_span)
+        finished = self.scheduler.process(handle.batch, tokens)
+        if self.tracer.enabled:
+            self.tracer.step_digest(handle.batch.step, self.digest())
+        self.tracer.cpu_span(handle.batch.step, "process", t0, time.perf_counter_ns())
+        return finished
+
+    def digest(self) -> str:
+        """A digest of every unfinished sequence's epoch, state slot and block table."""
+        rows = sorted((s.seq_id, s.epoch, s.state_slot, tuple(s.block_table)) for s in self.scheduler.seqs.values())
+        return hashlib.blake2b(repr(rows).encode(), digest_size=8).hexdigest()
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

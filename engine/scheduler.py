@@ -1,0 +1,215 @@
+"""The scheduler: which sequences run in the next step, and what that step's explicit input is.
+
+Mirrors DeepInfer's csrc/engine/scheduler.hpp (nano-vllm's engine/scheduler.py). `schedule()` returns a
+`ScheduledBatch` value (promise 1 of ARCHITECTURE.md §2) and is the only place that changes the queues
+before the device runs; `process()` applies a step's sampled tokens afterwards.
+
+A step is a prefill step or a decode step, never both:
+- prefill: FCFS over the waiting queue, stopping at the first prompt whose next chunk does not fit (no
+  skipping ahead). `max_num_batched_tokens` limits query tokens; a prompt longer than the budget is
+  split into chunks over several steps and only its last chunk samples. A preempted sequence comes back
+  through here and recomputes its prompt and outputs.
+- decode: every running sequence advances one token. When no KV block is left for a row, the running
+  sequence with the longest output is preempted to the head of the waiting queue (epoch + 1).
+Under ZOS, step N is scheduled before step N-1's tokens are known: decisions use only the reservations
+(`num_cached_tokens`, `num_inflight`), and a decode row whose input token is still in flight takes it
+on the device from the previous step's output (`input_token_id is None`: remap by state slot).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, StateManager
+from engine.sequence import Sequence, SequenceStatus
+from engine.tracer import NullTracer
+
+
+@dataclass(slots=True)
+class ScheduledRow:
+    """One row of a step: a chunk [start, start + num_tokens) of one sequence."""
+    seq_id: int
+    epoch: int
+    start: int                        # position of the first token
+    token_ids: list[int | None]       # inputs; None = in flight, gathered on the device from the slot
+    block_table: list[int]
+    state_slot: int
+    sample: bool                      # the last chunk of a prefill, or a decode row
+    seed: int
+    temperature: float
+    output_position: int              # which output token a sampled row draws (keys the sampler)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """The explicit input of one step: everything the model runner and a replay need."""
+    step: int
+    kind: str                          # "prefill" or "decode"
+    rows: list[ScheduledRow]
+    preempted: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int = 256
+    num_state_slots: int = 64
+    eos_token_id: int | None = 1
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, tracer=None):
+        self.config, self.tracer = config, tracer or NullTracer()
+        self.blocks = BlockManager(config.num_kv_blocks, self.tracer)
+        self.states = StateManager(config.num_state_slots, self.tracer)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
+        self.step = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch, or None when nothing can run (all done, or waiting on results)."""
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is not None:
+            self.tracer.schedule(batch)
+            self.step += 1
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        rows, budget = [], self.config.max_num_batched_tokens
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) + len(rows) >= self.config.max_num_seqs:
+                break
+            chunk = min(len(seq) - seq.num_cached_tokens, budget)
+            end = seq.num_cached_tokens + chunk
+            if not (self.blocks.can_allocate(seq, end) and self.states.can_allocate(seq)):
+                break  # FCFS: a head-of-line prompt that does not fit blocks the ones behind it
+            rows.append(self._reserve(seq, seq.token_ids[seq.num_cached_tokens:end]))
+            budget -= chunk
+            if seq.num_cached_tokens == len(seq):  # its last chunk: it samples and starts running
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+        return ScheduledBatch(self.step, "prefill", rows) if rows else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        rows, preempted = [], []
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING or not self._wants_token(seq):
+                continue
+            assert seq.num_cached_tokens == seq.get_len() - 1, "decode needs every earlier token cached"
+            while not self.blocks.can_allocate(seq, seq.get_len()):
+                victim = max(self.running, key=lambda s: (s.get_len() - s.num_prompt_tokens, s.seq_id))
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                last = seq.token_ids[-1] if seq.num_inflight == 0 else None  # None: in flight, remap
+                rows.append(self._reserve(seq, [last]))
+        rows = [r for r in rows if r.seq_id not in preempted]  # a later preemption may hit an earlier row
+        if not rows and not preempted:
+            return None
+        return ScheduledBatch(self.step, "decode", rows, preempted)
+
+    def _wants_token(self, seq: Sequence) -> bool:
+        """Not yet at max_tokens, counting the tokens in flight (they may all be kept)."""
+        return seq.num_output_tokens + seq.num_inflight < seq.params.max_tokens
+
+    def _reserve(self, seq: Sequence, token_ids: list[int | None]) -> ScheduledRow:
+        """Allocate what the chunk writes, advance the cached count, reserve the sampled token."""
+        start, end = seq.num_cached_tokens, seq.num_cached_tokens + len(token_ids)
+        self.states.allocate(seq)
+        self.blocks.allocate(seq, end)
+        seq.num_cached_tokens = end
+        sample = end == seq.get_len()
+        output_position = seq.get_len() - seq.num_prompt_tokens  # the output token this row draws
+        if sample:
+            seq.num_inflight += 1  # reservation: the token is appended when this step is processed
+        return ScheduledRow(seq.seq_id, seq.epoch, start, token_ids, list(seq.block_table), seq.state_slot,
+                            sample, seq.seed, seq.params.temperature, output_position)
+
+    # ---- preemption and cancellation ----------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        """Both kinds of state, always together (ARCHITECTURE.md §4)."""
+        self.blocks.free(seq)
+        self.states.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take the sequence's resources back and requeue it at the head; its in-flight results become
+        stale (epoch + 1) and it recomputes its prompt and outputs in a later prefill."""
+        self._release(seq)
+        seq.num_cached_tokens, seq.num_inflight = 0, 0
+        seq.epoch += 1
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.tracer.preempt(self.step, seq.seq_id)
+        self.tracer.epoch_bump(seq.seq_id, seq.epoch, "preempt")
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Cancel a request: a terminal state. Its in-flight results are discarded as stale; the device
+        may still be writing its blocks, but runs steps in order, so a new owner's later step writes
+        after it."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.is_finished:
+            return None
+        seq.epoch += 1
+        self.tracer.cancel(self.step, seq_id)
+        self.tracer.epoch_bump(seq_id, seq.epoch, "abort")
+        (self.waiting if seq.status == SequenceStatus.WAITING else self.running).remove(seq)
+        self._finish(seq, "abort")
+        return seq
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason, seq.num_inflight = SequenceStatus.FINISHED, reason, 0
+        self._release(seq)
+        del self.seqs[seq.seq_id]
+        self.tracer.finish(self.step, seq.seq_id, reason)
+
+    # ---- process ------------------------------------------------------------------------------
+    def process(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[Sequence]:
+        """Apply a step's sampled tokens (one per row, None for rows that did not sample). A token whose
+        sequence was preempted or cancelled since (stale epoch), or has finished since (a stop token
+        found one step late under ZOS), is discarded. Returns the sequences that finished."""
+        finished = []
+        for row, token in zip(batch.rows, tokens):
+            if not row.sample:
+                continue
+            seq = self.seqs.get(row.seq_id)
+            position = row.start + row.num_tokens
+            if seq is None or seq.epoch != row.epoch:
+                self.tracer.token(batch.step, row.seq_id, row.epoch, position, token, False)
+                continue
+            seq.num_inflight -= 1
+            seq.token_ids.append(token)
+            self.tracer.token(batch.step, row.seq_id, row.epoch, position, token, True)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token == self.config.eos_token_id):
+            return "stop"
+        return "length" if seq.num_output_tokens >= p.max_tokens else None
