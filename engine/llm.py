@@ -30,7 +30,7 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str = "tiny-68m", device: str = "cpu", enable_zos: bool = True,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, num_kv_blocks: int | None = None,
-                 num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int = 1):
+                 num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int | None = None):
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' needs a CUDA GPU and none is visible; use device='cpu'.")
         weights, self.digest = load_model(model, device)

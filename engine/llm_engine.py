@@ -23,7 +23,7 @@ from model.transformer import Transformer
 
 class LLMEngine:
     def __init__(self, weights: Transformer, config: SchedulerConfig, enable_zos: bool = True, seed: int = 0,
-                 tracer=None, cpu_threads: int = 1):
+                 tracer=None, cpu_threads: int | None = None):
         self.tracer = tracer or NullTracer()
         self.config, self.enable_zos, self.seed = config, enable_zos, seed
         self.max_seq_len = weights.args.max_seq_len

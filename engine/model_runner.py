@@ -75,7 +75,7 @@ class _CudaClock:
 
 class ModelRunner:
     def __init__(self, weights: Transformer, num_kv_blocks: int, num_state_slots: int,
-                 cpu_threads: int = 1):
+                 cpu_threads: int | None = None):
         self.device = weights.head.weight.device
         self.model = PagedModel(weights, num_kv_blocks, num_state_slots)
         self.trash_block, self.trash_slot = num_kv_blocks, num_state_slots
@@ -84,7 +84,8 @@ class ModelRunner:
             self.stream = torch.cuda.Stream(self.device)
             self.clock = _CudaClock(self.stream)
         else:
-            torch.set_num_threads(cpu_threads)  # the worker's intra-op threads (ARCHITECTURE.md §3)
+            if cpu_threads:  # intra-op threads (process-wide in torch); benchmarks/bench_zos_cpu.py measures it
+                torch.set_num_threads(cpu_threads)
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="mdi-device")
 
     def execute(self, batch: ScheduledBatch) -> StepHandle:

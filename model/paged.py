@@ -76,6 +76,7 @@ class PagedModel:
                 self.tails[layer] = (torch.zeros(shape, dtype=torch.float32, device=dev),
                                      torch.full(shape, -torch.inf, dtype=torch.float32, device=dev))
         self.history = torch.zeros(num_slots + 1, a.engram_max_ngram_size - 1, dtype=torch.long, device=dev)
+        weights.warm(dev)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_logits: bool = False, capture=None) -> torch.Tensor:

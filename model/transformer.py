@@ -77,6 +77,14 @@ class Transformer(nn.Module):
         self._layouts: dict[str, EngramLayout] = {}
         self.tokenizer = None  # set by a checkpoint that brings tokenizer.json (engram_token_map "tokenizer")
 
+    def warm(self, device) -> None:
+        """Build the per-device tables (RoPE, Engram token map and layout) now, so that no forward
+        copies them to the device on first use (a host sync, and no good inside a CUDA graph)."""
+        for ratio in (0, 1):
+            self.rope(ratio, device)
+        if self.engram_layout is not None:
+            self.token_map(device), self.layout(device)
+
     def layout(self, device) -> EngramLayout:
         """The Engram hash layout on `device`, copied once (a copy per forward would sync on CUDA)."""
         key = str(device)

@@ -52,7 +52,7 @@ def assert_same_tokens(llm, ps, params, a_runs, b_runs):
         scores = ref.forward(p + a[:same])[-1]
         if sp.temperature > 0:
             noise = gumbel_noise(torch.tensor([sp.seed]), torch.tensor([same]), scores.numel())[0]
-            scores = scores / sp.temperature + noise
+            scores = scores / sp.temperature + noise.to(scores.device)
         gap = float((scores[a[same]] - scores[b[same]]).abs())
         limit = TOL_BF16 / max(sp.temperature, 1.0) if sp.temperature > 0 else TOL_BF16
         assert gap <= 2 * limit, f"output {same} of a {len(p)}-token prompt: {a[same]} vs {b[same]}, gap {gap:.3g}"
