@@ -1,9 +1,9 @@
 """The `mdi-trace` command line (ARCHITECTURE.md §1: tui/ is the face of the project).
 
 Exit codes: 0 success, 1 a finding, 2 bad usage or unreadable input. Every error a user can meet is
-one sentence on stderr, never a traceback. Subcommands so far: `checkpoint init` and `generate` (a
-greedy smoke run of the paged model); `record`, `view`, `verify` and `check` arrive with the engine
-and the tracer (issues #3-#6).
+one sentence on stderr, never a traceback. Subcommands so far: `checkpoint init` and `generate` (random
+prompts through the engine, a smoke run); `record`, `view`, `verify` and `check` arrive with the
+tracer (issues #4-#6).
 """
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--preset", default="tiny-68m", help="tiny-68m, micro or stress")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("-o", "--output", required=True, help="output folder")
-    gen = sub.add_parser("generate", help="greedy generation with the paged model (a smoke run)")
+    gen = sub.add_parser("generate", help="run random prompts through the engine (a smoke run)")
     gen.add_argument("--model", default="tiny-68m", help="a preset name or a checkpoint folder")
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--num-prompts", type=int, default=4)
     gen.add_argument("--prompt-len", type=int, default=200)
     gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     return p
 
@@ -41,48 +42,37 @@ def _checkpoint_init(a) -> int:
 def _generate(a) -> int:
     import torch
     from rich.console import Console
-    from rich.progress import track
     from rich.table import Table
 
-    from model.checkpoint import load_model
-    from model.paged import BLOCK_SIZE, ForwardBatch, PagedModel
+    from engine import LLM, SamplingParams
 
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("mdi-trace: --device cuda needs a CUDA GPU and none is visible; use --device cpu.")
     if min(a.num_prompts, a.prompt_len, a.max_tokens) < 1:
         raise SystemExit("mdi-trace: --num-prompts, --prompt-len and --max-tokens must be at least 1.")
-    torch.set_num_threads(min(4, torch.get_num_threads()))
-    model, digest = load_model(a.model, a.device)
-    total = a.prompt_len + a.max_tokens
-    if total > model.args.max_seq_len:
-        raise SystemExit(f"mdi-trace: prompt plus output ({total}) exceeds max_seq_len {model.args.max_seq_len}.")
-    B, per_seq, dev = a.num_prompts, -(-total // BLOCK_SIZE), a.device
-    paged = PagedModel(model, num_blocks=B * per_seq, num_slots=B)
-    tables = torch.arange(B * per_seq, device=dev).view(B, per_seq)
-    slots = torch.arange(B, device=dev)
+    try:
+        llm = LLM(a.model, device=a.device)
+    except ValueError as e:
+        raise SystemExit(f"mdi-trace: {e}") from None
     g = torch.Generator().manual_seed(a.seed)
-    ids = torch.randint(0, model.args.vocab_size, (B, a.prompt_len), generator=g).to(dev)
-    t0 = time.perf_counter()
-    logits = paged.forward(ForwardBatch(ids, torch.zeros(B, dtype=torch.long, device=dev),
-                                        torch.full((B,), a.prompt_len, device=dev), tables, slots, a.prompt_len, False))
-    t1 = time.perf_counter()
-    out = [logits.argmax(-1)]
-    for k in track(range(a.max_tokens - 1), description="decoding", transient=True):
-        pos = a.prompt_len + k
-        logits = paged.forward(ForwardBatch(out[-1][:, None], torch.full((B,), pos, device=dev),
-                                            torch.ones(B, dtype=torch.long, device=dev), tables, slots, pos + 1, True))
-        out.append(logits.argmax(-1))
-    tokens = torch.stack(out, 1).cpu()
-    t2 = time.perf_counter()
-    table = Table(title=f"{a.model} on {dev}, weights {digest[:12]}")
-    for col in ("request", "prompt tokens", "output tokens (greedy)"):
+    vocab = llm.engine.runner.model.args.vocab_size
+    prompts = [torch.randint(3, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.num_prompts)]
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    try:
+        outs = llm.generate(prompts, params)
+    except ValueError as e:
+        raise SystemExit(f"mdi-trace: {e}") from None
+    elapsed = time.perf_counter() - start
+    llm.engine.shutdown()
+    table = Table(title=f"{a.model} on {a.device}, weights {llm.digest[:12]}")
+    for col in ("request", "prompt tokens", "output tokens", "finish"):
         table.add_column(col)
-    for i in range(B):
-        table.add_row(str(i), str(a.prompt_len), " ".join(map(str, tokens[i].tolist())))
+    for o in outs:
+        table.add_row(str(o.request_id), str(len(o.prompt_token_ids)), " ".join(map(str, o.token_ids)), o.finish_reason)
     console = Console()
     console.print(table)
-    console.print(f"prefill {B}x{a.prompt_len}: {B * a.prompt_len / (t1 - t0):,.0f} tokens/s; decode batch {B}: "
-                  f"{B * (a.max_tokens - 1) / max(t2 - t1, 1e-9):,.0f} tokens/s")
+    total = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
+    console.print(f"{len(outs)} requests, {total:,} tokens in {elapsed:.2f} s ({total / elapsed:,.0f} tokens/s), "
+                  f"ZOS on, temperature {a.temperature}")
     return 0
 
 
