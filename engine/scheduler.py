@@ -11,6 +11,10 @@ A step is a prefill step or a decode step, never both:
   through here and recomputes its prompt and outputs.
 - decode: every running sequence advances one token. When no KV block is left for a row, the running
   sequence with the longest output is preempted to the head of the waiting queue (epoch + 1).
+- A partly prefilled prompt waits with its blocks and slot. Those are reclaimed first (it is preempted
+  in place: epoch + 1, its chunks recomputed later) when decode needs a block, or when a prompt ahead
+  of it in the queue does not fit. Otherwise a prompt started behind the head could hold the blocks
+  the head needs while the head waits for it: a deadlock (ZOS off) or a preemption livelock (ZOS on).
 Under ZOS, step N is scheduled before step N-1's tokens are known: decisions use only the reservations
 (`num_cached_tokens`, `num_inflight`), and a decode row whose input token is still in flight takes it
 on the device from the previous step's output (`input_token_id is None`: remap by state slot).
@@ -86,8 +90,12 @@ class Scheduler:
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None when nothing can run (all done, or waiting on results)."""
+        self._preempted: list[int] = []  # every sequence preempted while scheduling this step
         batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is None and self._preempted:  # a step that only took resources back
+            batch = ScheduledBatch(self.step, "decode", [])
         if batch is not None:
+            batch.preempted = list(self._preempted)
             self.tracer.schedule(batch)
             self.step += 1
         return batch
@@ -99,7 +107,10 @@ class Scheduler:
                 break
             chunk = min(len(seq) - seq.num_cached_tokens, budget)
             end = seq.num_cached_tokens + chunk
-            if not (self.blocks.can_allocate(seq, end) and self.states.can_allocate(seq)):
+            fits = lambda: self.blocks.can_allocate(seq, end) and self.states.can_allocate(seq)  # noqa: E731
+            while not fits() and self._reclaim_partial(behind=seq):
+                pass
+            if not fits():
                 break  # FCFS: a head-of-line prompt that does not fit blocks the ones behind it
             rows.append(self._reserve(seq, seq.token_ids[seq.num_cached_tokens:end]))
             budget -= chunk
@@ -110,24 +121,23 @@ class Scheduler:
         return ScheduledBatch(self.step, "prefill", rows) if rows else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        rows, preempted = [], []
+        rows = []
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or not self._wants_token(seq):
                 continue
             assert seq.num_cached_tokens == seq.get_len() - 1, "decode needs every earlier token cached"
             while not self.blocks.can_allocate(seq, seq.get_len()):
+                if self._reclaim_partial():
+                    continue
                 victim = max(self.running, key=lambda s: (s.get_len() - s.num_prompt_tokens, s.seq_id))
                 self._preempt(victim)
-                preempted.append(victim.seq_id)
                 if victim is seq:
                     break
             if seq.status == SequenceStatus.RUNNING:
                 last = seq.token_ids[-1] if seq.num_inflight == 0 else None  # None: in flight, remap
                 rows.append(self._reserve(seq, [last]))
-        rows = [r for r in rows if r.seq_id not in preempted]  # a later preemption may hit an earlier row
-        if not rows and not preempted:
-            return None
-        return ScheduledBatch(self.step, "decode", rows, preempted)
+        rows = [r for r in rows if r.seq_id not in self._preempted]  # a later preemption may hit an earlier row
+        return ScheduledBatch(self.step, "decode", rows) if rows else None
 
     def _wants_token(self, seq: Sequence) -> bool:
         """Not yet at max_tokens, counting the tokens in flight (they may all be kept)."""
@@ -152,15 +162,28 @@ class Scheduler:
         self.blocks.free(seq)
         self.states.free(seq)
 
+    def _reclaim_partial(self, behind: Sequence | None = None) -> bool:
+        """Preempt, in place, the latest-arrived partly prefilled waiting prompt (one that owns blocks
+        or a slot), behind `behind` in the queue if given. False if there is none."""
+        queue = list(self.waiting)
+        candidates = queue[queue.index(behind) + 1:] if behind is not None else queue
+        victim = next((s for s in reversed(candidates) if s.block_table or s.state_slot is not None), None)
+        if victim is not None:
+            self._preempt(victim)
+        return victim is not None
+
     def _preempt(self, seq: Sequence) -> None:
-        """Take the sequence's resources back and requeue it at the head; its in-flight results become
-        stale (epoch + 1) and it recomputes its prompt and outputs in a later prefill."""
+        """Take the sequence's resources back; its in-flight results become stale (epoch + 1) and it
+        recomputes its prompt and outputs in a later prefill. A running sequence is requeued at the
+        head of the waiting queue, a partly prefilled one keeps its place."""
         self._release(seq)
         seq.num_cached_tokens, seq.num_inflight = 0, 0
         seq.epoch += 1
-        seq.status = SequenceStatus.WAITING
-        self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self._preempted.append(seq.seq_id)
+        if seq.status == SequenceStatus.RUNNING:
+            seq.status = SequenceStatus.WAITING
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
         self.tracer.preempt(self.step, seq.seq_id)
         self.tracer.epoch_bump(seq.seq_id, seq.epoch, "preempt")
 
