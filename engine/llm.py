@@ -30,7 +30,7 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str = "tiny-68m", device: str = "cpu", enable_zos: bool = True,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, num_kv_blocks: int | None = None,
-                 num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int | None = None):
+                 num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int | None = 1):
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' needs a CUDA GPU and none is visible; use device='cpu'.")
         weights, self.digest = load_model(model, device)
@@ -39,7 +39,9 @@ class LLM:
                                  num_kv_blocks or max_num_seqs * blocks_per_seq, num_state_slots or max_num_seqs)
         self.tokenizer = load_tokenizer(model)
         config.eos_token_id = self.tokenizer.eos_token_id
-        self.engine = LLMEngine(weights, config, enable_zos, seed, tracer, cpu_threads)
+        # On CPU one intra-op thread decodes faster than two (benchmarks/RESULTS.md); torch's setting is
+        # process-wide, so cpu_threads=None leaves it as it is.
+        self.engine = LLMEngine(weights, config, enable_zos, seed, tracer, cpu_threads if device == "cpu" else None)
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params=None,
                  progress: bool = True) -> list[RequestOutput]:
