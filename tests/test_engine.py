@@ -144,3 +144,24 @@ def test_finish_reasons_and_text(ckpt):
     assert outs[0].prompt_token_ids == llm.tokenizer.encode("hello") and isinstance(outs[0].text, str)
     with pytest.raises(ValueError, match="max_seq_len"):
         llm.generate([[5] * 2040], SamplingParams(max_tokens=16), progress=False)
+
+
+def test_a_checkpoint_tokenizer_json_is_used(ckpt, tmp_path):
+    """A checkpoint folder that brings tokenizer.json: prompts are encoded and outputs decoded with it."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "with-tokenizer"
+    shutil.copytree(ckpt, folder)
+    vocab = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<pad>": 2, "[UNK]": 3,
+             **{w: 10 + i for i, w in enumerate("the quick brown fox jumps over lazy dog".split())}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    llm = LLM(str(folder))
+    out = llm.generate(["the quick brown fox"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       progress=False)[0]
+    llm.engine.shutdown()
+    assert out.prompt_token_ids == [10, 11, 12, 13]
+    assert out.text == tok.decode(out.token_ids)
