@@ -79,6 +79,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self.step = 0
+        self._preempted: list[int] = []  # every sequence preempted while scheduling the current step
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -90,7 +91,7 @@ class Scheduler:
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None when nothing can run (all done, or waiting on results)."""
-        self._preempted: list[int] = []  # every sequence preempted while scheduling this step
+        self._preempted = []
         batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None and self._preempted:  # a step that only took resources back
             batch = ScheduledBatch(self.step, "decode", [])
