@@ -10,8 +10,13 @@ steps are applied at the start of the next step, before it is scheduled.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
+import platform
 import time
+
+import torch
 
 from engine.model_runner import ModelRunner, StepHandle
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -23,7 +28,7 @@ from model.transformer import Transformer
 
 class LLMEngine:
     def __init__(self, weights: Transformer, config: SchedulerConfig, enable_zos: bool = True, seed: int = 0,
-                 tracer=None, cpu_threads: int | None = None):
+                 tracer=None, cpu_threads: int | None = None, checkpoint_digest: str = ""):
         self.tracer = tracer or NullTracer()
         self.config, self.enable_zos, self.seed = config, enable_zos, seed
         self.max_seq_len = weights.args.max_seq_len
@@ -32,6 +37,23 @@ class LLMEngine:
         self.in_flight: StepHandle | None = None  # under ZOS: the step whose result is not processed yet
         self.pending_aborts: list[int] = []
         self.next_id = 0
+        self.tracer.start(self._header(weights, checkpoint_digest))
+
+    def _header(self, weights: Transformer, checkpoint_digest: str) -> dict:
+        """What a trace needs to rebuild this engine: configs, weights digest, device and versions."""
+        device = self.runner.device
+        try:
+            import triton
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = None
+        return {"engine": {**dataclasses.asdict(self.config), "enable_zos": self.enable_zos},
+                "model": weights.args.to_dict(), "checkpoint_digest": checkpoint_digest,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+                f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
+                "torch": torch.__version__, "triton": triton_version,
+                "dtype": str(weights.embed.weight.dtype).removeprefix("torch."), "seed": self.seed,
+                "rank": 0, "world_size": 1}
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         params = (params or SamplingParams()).check()
@@ -78,6 +100,7 @@ class LLMEngine:
         elif batch is None and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler can make no progress: no request fits the KV blocks and "
                                "state slots that are free.")
+        self.tracer.step_end(batch.step if batch is not None else done.batch.step if done else -1)
         return finished
 
     def process(self, handle: StepHandle) -> list[Sequence]:
@@ -96,4 +119,9 @@ class LLMEngine:
         return hashlib.blake2b(repr(rows).encode(), digest_size=8).hexdigest()
 
     def shutdown(self) -> None:
+        """Finish the step in flight, stop the device worker and close the tracer (its footer)."""
+        if self.in_flight is not None:
+            self.process(self.in_flight)
+            self.in_flight = None
         self.runner.shutdown()
+        self.tracer.close()

@@ -154,6 +154,7 @@ class Scheduler:
         output_position = seq.get_len() - seq.num_prompt_tokens  # the output token this row draws
         if sample:
             seq.num_inflight += 1  # reservation: the token is appended when this step is processed
+            self.tracer.reservation(self.step, seq.seq_id, seq.epoch, output_position)
         return ScheduledRow(seq.seq_id, seq.epoch, start, token_ids, list(seq.block_table), seq.state_slot,
                             sample, seq.seed, seq.params.temperature, output_position)
 

@@ -12,8 +12,10 @@ class NullTracer:
     """Every hook of the protocol, doing nothing."""
     enabled = False
 
+    def start(self, header): pass                              # engine, model, checkpoint, device, versions
     def request_added(self, seq_id, prompt_token_ids, params, seed): pass
-    def schedule(self, batch): pass                           # a ScheduledBatch: rows, reservations
+    def schedule(self, batch): pass                           # a ScheduledBatch: the step's explicit input
+    def reservation(self, step, seq_id, epoch, output_position): pass  # num_inflight += 1
     def epoch_bump(self, seq_id, epoch, reason): pass          # reason: "preempt" or "abort"
     def block_alloc(self, seq_id, block_ids): pass
     def block_free(self, seq_id, block_ids): pass
@@ -26,6 +28,8 @@ class NullTracer:
     def cpu_span(self, step, phase, start_ns, end_ns): pass   # phase: "schedule", "execute", "process"
     def device_span(self, step, start_ns, end_ns): pass
     def step_digest(self, step, digest): pass                  # of block tables, slots and epochs
+    def step_end(self, step): pass                             # the engine's step() returns: flush
+    def close(self): pass                                      # the engine shuts down: footer
 
 
 class MemoryTracer(NullTracer):

@@ -1,0 +1,133 @@
+"""The recorder: the engine's tracer (engine/tracer.py) writing a msgpack event log (tracing/SCHEMA.md).
+
+    from engine import LLM
+    from tracing import Recorder
+    llm = LLM("tiny-68m", tracer=Recorder("run.mdt"))
+
+Events are packed into a buffer and written to the log's final path once per engine step (`step_end`),
+so a run still going can be followed and a crash leaves every complete step readable. `close()` (called
+by the engine's shutdown) writes the footer: event counts and the byte offset of every step's
+`schedule` event, then a 9-byte trailer pointing at the footer, so readers seek instead of scanning.
+Imports neither torch nor engine/: it reads the engine's objects by attribute.
+"""
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+
+from tracing.schema import BATCH_KINDS, EPOCH_REASONS, FINISH_REASONS, KIND, MAGIC, PHASES, SCHEMA_VERSION, \
+    TRAILER_TAG
+
+
+class Recorder:
+    enabled = True
+
+    def __init__(self, path: str | Path, argv: list[str] | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "wb")
+        self.argv = list(sys.argv if argv is None else argv)
+        self.packer = msgpack.Packer(use_bin_type=True)
+        self.buf = bytearray()
+        self.written = 0                      # bytes already in the file
+        self.counts: Counter[str] = Counter()
+        self.step_offsets: list[list[int]] = []  # [step, byte offset of its schedule event]
+        self.t0 = time.perf_counter_ns()
+        self.closed = False
+
+    def _emit(self, name: str, *fields) -> None:
+        self.buf += self.packer.pack([KIND[name], *fields])
+        self.counts[name] += 1
+
+    def _now(self) -> int:
+        return time.perf_counter_ns() - self.t0
+
+    def _flush(self) -> None:
+        if self.buf:
+            self.file.write(self.buf)
+            self.file.flush()
+            self.written += len(self.buf)
+            self.buf.clear()
+
+    # ---- the tracer protocol -----------------------------------------------------------------
+    def start(self, header: dict) -> None:
+        full = {"magic": MAGIC, "schema_version": SCHEMA_VERSION,
+                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "argv": self.argv, "t0_ns": self.t0, **header}
+        self.buf += self.packer.pack(full)
+        self._flush()
+
+    def request_added(self, seq_id, prompt_token_ids, params, seed):
+        self._emit("request_added", self._now(), seq_id, list(prompt_token_ids), params.temperature, seed,
+                   params.max_tokens, params.ignore_eos, list(params.stop_token_ids))
+
+    def schedule(self, batch):
+        self.step_offsets.append([batch.step, self.written + len(self.buf)])
+        rows = [[r.seq_id, r.epoch, r.start, list(r.token_ids), list(r.block_table), r.state_slot, r.sample, r.seed,
+                 r.temperature, r.output_position] for r in batch.rows]
+        self._emit("schedule", self._now(), batch.step, BATCH_KINDS.index(batch.kind), rows, list(batch.preempted))
+
+    def reservation(self, step, seq_id, epoch, output_position):
+        self._emit("reservation", self._now(), step, seq_id, epoch, output_position)
+
+    def epoch_bump(self, seq_id, epoch, reason):
+        self._emit("epoch_bump", self._now(), seq_id, epoch, EPOCH_REASONS.index(reason))
+
+    def block_alloc(self, seq_id, block_ids):
+        self._emit("block_alloc", self._now(), seq_id, list(block_ids))
+
+    def block_free(self, seq_id, block_ids):
+        self._emit("block_free", self._now(), seq_id, list(block_ids))
+
+    def slot_alloc(self, seq_id, slot):
+        self._emit("slot_alloc", self._now(), seq_id, slot)
+
+    def slot_free(self, seq_id, slot):
+        self._emit("slot_free", self._now(), seq_id, slot)
+
+    def preempt(self, step, seq_id):
+        self._emit("preempt", self._now(), step, seq_id)
+
+    def cancel(self, step, seq_id):
+        self._emit("cancel", self._now(), step, seq_id)
+
+    def token(self, step, seq_id, epoch, position, token_id, appended):
+        self._emit("token", self._now(), step, seq_id, epoch, position, token_id, bool(appended))
+
+    def finish(self, step, seq_id, reason):
+        self._emit("finish", self._now(), step, seq_id, FINISH_REASONS.index(reason))
+
+    def cpu_span(self, step, phase, start_ns, end_ns):
+        self._emit("cpu_span", step, PHASES.index(phase), start_ns - self.t0, end_ns - self.t0)
+
+    def device_span(self, step, start_ns, end_ns):
+        self._emit("device_span", step, start_ns - self.t0, end_ns - self.t0)
+
+    def step_digest(self, step, digest):
+        self._emit("step_digest", step, digest)
+
+    def step_end(self, step):
+        self._flush()
+
+    def close(self) -> None:
+        """Footer (counts, step index, clean end) and the trailer that points at it."""
+        if self.closed:
+            return
+        self._flush()
+        footer_offset = self.written
+        self._emit("footer", dict(self.counts), len(self.step_offsets), self.step_offsets, True)
+        self.buf += bytes([TRAILER_TAG]) + footer_offset.to_bytes(8, "big")  # a msgpack uint64, always 9 bytes
+        self._flush()
+        self.file.close()
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
