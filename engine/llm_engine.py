@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from engine.block_manager import BLOCK_SIZE
 from engine.model_runner import ModelRunner, StepHandle
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
@@ -47,7 +48,7 @@ class LLMEngine:
             triton_version = triton.__version__
         except ImportError:
             triton_version = None
-        return {"engine": {**dataclasses.asdict(self.config), "enable_zos": self.enable_zos},
+        return {"engine": {**dataclasses.asdict(self.config), "enable_zos": self.enable_zos, "block_size": BLOCK_SIZE},
                 "model": weights.args.to_dict(), "checkpoint_digest": checkpoint_digest,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
                 f"cpu ({platform.machine()}, {os.cpu_count()} cores)",

@@ -1,0 +1,394 @@
+"""`verify`: prove promise 2 and the step contract (ARCHITECTURE.md §2-§3) from a recorded log alone.
+
+No DeepInfer file does this; it is the trace-side twin of the `Ledger` in tests/test_engine_lifetimes.py,
+which checks the same rules on live MemoryTracer events. Imports neither torch nor engine/.
+
+    from tracing.reader import open_trace
+    from tracing.verify import verify
+    for finding in verify(open_trace("run.mdt")):
+        print(finding)        # step 12, request 3: block 7 allocated while owned by request 1
+
+The events are replayed in order, rebuilding per request what the engine held: prompt and appended tokens,
+epoch, KV blocks (in block-table order), state slot, positions computed since the last preemption, and the
+reservations whose token has not come back. Each event is checked against that state:
+
+1. a KV block or state slot has one owner at a time, and only its owner frees it;
+2. preemption, finish and cancellation release blocks and slot together: after a `preempt` or `finish` the
+   request owns nothing, frees happen only inside one of them, and a `cancel` is followed by exactly its
+   epoch bump, block and slot frees and `finish(abort)` (the order of `Scheduler.abort`);
+3. an epoch only grows, by 1, right after the `preempt` or `cancel` that gives its reason;
+4. a token appended (`appended=True`) answers a reservation, carries the request's current epoch, belongs to
+   a live request and lands at position == its current length; a token of the current epoch is never
+   discarded;
+5. rows are legal: a decode row starts at get_len() - 1 (tokens + reservations in flight of the current epoch,
+   minus 1) with that many positions computed, and its input token is None exactly when a token is in flight;
+   a prefill chunk continues where the last one stopped and feeds the request's own tokens; every row carries
+   the current epoch, the owned block table and slot, and samples exactly when it reaches get_len();
+6. a clean log (with a footer) ends with every resource free, every request finished, every reservation
+   answered, and a footer that counts the events it follows;
+7. each `step_digest` equals the digest of the rebuilt tables (`LLMEngine.digest`).
+
+A log cut short is checked up to its last complete event; the result then holds one note (a Finding with
+`violation=False`) that says so, and no end-of-run findings.
+
+Where a finding's step comes from: the event's own `step` field, else (allocations, frees, epoch bumps) the
+step the scheduler is at, which is also what the engine writes in `preempt`, `cancel` and `finish`. Under ZOS
+that is one or two steps after the step whose result is being processed (`token` and `step_digest` carry the
+processed step). A damaged file raises the reader's TraceError.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, namedtuple
+from dataclasses import dataclass, field
+
+from tracing.reader import Event, TraceFile
+from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, ROW_FIELDS
+
+Row = namedtuple("Row", ROW_FIELDS)
+RELEASE_EVENTS = ("epoch_bump", "block_free", "slot_free", "finish")  # what may follow a cancel (Scheduler.abort)
+BUMP_REASON = {"preempt": "preempt", "cancel": "abort"}              # the event before an epoch bump -> its reason
+
+
+@dataclass(slots=True)
+class Finding:
+    step: int | None          # None: found at the end of the log
+    seq_id: int | None        # the request, None for a step-wide finding
+    offset: int | None        # byte offset of the event that shows it
+    message: str
+    violation: bool = True    # False for a note that is not a broken promise (the log was cut short)
+
+    def __str__(self) -> str:
+        where = "end of log" if self.step is None else f"step {self.step}"
+        if self.seq_id is not None:
+            where += f", request {self.seq_id}"
+        return f"{where}: {self.message}"
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the log says the engine holds for one request."""
+    tokens: list[int]                 # prompt and appended tokens: len(seq.token_ids)
+    prompt_len: int
+    epoch: int = 0
+    blocks: list[int] = field(default_factory=list)
+    slot: int | None = None
+    cached: int = 0                   # positions computed since the last preemption: num_cached_tokens
+    reserved: dict[int, int] = field(default_factory=dict)  # step -> epoch of a reservation not answered yet
+    finish: str | None = None
+
+    def inflight(self, before_step: int) -> int:
+        """Reservations of the current epoch made before `before_step`: num_inflight when it is scheduled."""
+        return sum(1 for step, epoch in self.reserved.items() if epoch == self.epoch and step < before_step)
+
+    def get_len(self, before_step: int) -> int:
+        return len(self.tokens) + self.inflight(before_step)
+
+
+def verify(trace: TraceFile) -> list[Finding]:
+    """Every finding in the log, in event order (ARCHITECTURE.md §2 promise 2, §3 the step contract)."""
+    v = _Verifier(trace.header)
+    for event in trace.events():
+        v.feed(event)
+    v.end(trace)
+    return v.findings
+
+
+def _seq_field(event: Event) -> int | None:
+    return event.seq_id if "seq_id" in EVENTS[KIND[event.kind]][1] else None
+
+
+class _Verifier:
+    def __init__(self, header: dict):
+        engine = header.get("engine") or {}
+        self.num_blocks, self.num_slots = engine.get("num_kv_blocks"), engine.get("num_state_slots")
+        self.reqs: dict[int, _Request] = {}
+        self.block_owner: dict[int, int] = {}
+        self.slot_owner: dict[int, int] = {}
+        self.step = 0                          # the step being scheduled: schedule events so far
+        self.preempted: list[int] = []         # preemptions since the last schedule event
+        self.reservations: dict[int, tuple[int, int]] = {}  # this step's: seq_id -> (epoch, output_position)
+        self.cancelling: int | None = None     # a cancelled request whose release and finish must follow
+        self.freeing: int | None = None        # a request whose frees must end in its preempt or finish
+        self.prev: Event | None = None
+        self.event: Event | None = None
+        self.counts: Counter[str] = Counter()
+        self.step_offsets: list[list[int]] = []
+        self.findings: list[Finding] = []
+
+    def fail(self, seq_id: int | None, message: str) -> None:
+        e = self.event  # None at the end of the log
+        step = None if e is None else e.step if "step" in EVENTS[KIND[e.kind]][1] else self.step
+        self.findings.append(Finding(step, seq_id, None if e is None else e.offset, message))
+
+    def feed(self, event: Event) -> None:
+        self.event = event
+        self.counts[event.kind] += 1
+        try:
+            self._check_order(event.kind, _seq_field(event))
+            handler = getattr(self, "on_" + event.kind, None)
+            if handler is not None:
+                handler(*event.fields)
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            self.fail(None, f"a malformed {event.kind} event ({type(e).__name__}: {e})")
+        self.prev = event
+
+    # ---- order: what must follow a preemption, a cancellation, a free ------------------------------
+    def _check_order(self, kind: str, s: int | None) -> None:
+        """`kind` (of request `s`) comes next: does it break a sequence that must not be interrupted?"""
+        p = self.prev
+        if p is not None and p.kind in BUMP_REASON and not (kind == "epoch_bump" and s == p.seq_id):
+            self.fail(p.seq_id, f"{p.kind} without an epoch bump right after it")
+        if self.cancelling is not None and not (kind in RELEASE_EVENTS and s == self.cancelling):
+            self.fail(self.cancelling, f"a {kind} event between its cancellation and its finish")
+            self.cancelling = None
+        if self.freeing is not None and not (kind in ("block_free", "slot_free", "preempt", "finish")
+                                             and s == self.freeing):
+            self.fail(self.freeing, "blocks or slot freed outside a preemption, finish or cancellation")
+            self.freeing = None
+
+    def live(self, s: int) -> _Request | None:
+        req = self.reqs.get(s)
+        if req is None:
+            self.fail(s, f"a {self.event.kind} event for a request that was never added")
+        elif req.finish is not None:
+            self.fail(s, f"a {self.event.kind} event after the request finished ({req.finish})")
+            return None
+        return req
+
+    # ---- requests and resources -----------------------------------------------------------------------
+    def on_request_added(self, t, s, prompt_token_ids, *params) -> None:
+        if s in self.reqs:
+            self.fail(s, "request added twice")
+        self.reqs[s] = _Request(list(prompt_token_ids), len(prompt_token_ids))
+
+    # A resource given to a second owner stays with the first in `block_owner`/`slot_owner` and enters the
+    # second's table too (as in the log): one finding, not one per later row.
+    def on_block_alloc(self, t, s, block_ids) -> None:
+        req = self.live(s)
+        for b in block_ids:
+            self._take(self.block_owner, "block", b, s, self.num_blocks)
+            if req is not None:
+                req.blocks.append(b)
+
+    def on_slot_alloc(self, t, s, slot) -> None:
+        req = self.live(s)
+        self._take(self.slot_owner, "slot", slot, s, self.num_slots)
+        if req is not None:
+            if req.slot is not None:
+                self.fail(s, f"slot {slot} allocated while the request holds slot {req.slot}")
+            req.slot = slot
+
+    def _take(self, owner: dict[int, int], what: str, i: int, s: int, n: int | None) -> None:
+        if n is not None and not 0 <= i < n:
+            self.fail(s, f"{what} {i} allocated, outside the pool of {n}")
+        if i in owner:
+            self.fail(s, f"{what} {i} allocated while owned by request {owner[i]}")
+        else:
+            owner[i] = s
+
+    def on_block_free(self, t, s, block_ids) -> None:
+        req = self.live(s)
+        for b in block_ids:
+            self._give_back(self.block_owner, "block", b, s)
+            if req is not None and b in req.blocks:
+                req.blocks.remove(b)
+        self.freeing = s
+
+    def on_slot_free(self, t, s, slot) -> None:
+        req = self.live(s)
+        self._give_back(self.slot_owner, "slot", slot, s)
+        if req is not None and req.slot == slot:
+            req.slot = None
+        self.freeing = s
+
+    def _give_back(self, owner: dict[int, int], what: str, i: int, s: int) -> None:
+        if owner.get(i) == s:
+            del owner[i]
+        elif i not in owner or s not in self.reqs or i not in (self.reqs[s].blocks if what == "block"
+                                                                else [self.reqs[s].slot]):
+            by = "no request" if i not in owner else f"request {owner[i]}"
+            self.fail(s, f"{what} {i} freed while owned by {by}")
+
+    def owns_nothing(self, s: int, req: _Request, when: str) -> None:
+        """After a preemption or finish. What it still holds is reported once, then taken as released."""
+        held = ([f"blocks {req.blocks}"] if req.blocks else []) + ([f"slot {req.slot}"] if req.slot is not None else [])
+        if held:
+            self.fail(s, f"still owns {' and '.join(held)} at its {when}")
+            for b in req.blocks:
+                if self.block_owner.get(b) == s:
+                    del self.block_owner[b]
+            if self.slot_owner.get(req.slot) == s:
+                del self.slot_owner[req.slot]
+            req.blocks, req.slot = [], None
+
+    # ---- preemption, cancellation, finish, epochs --------------------------------------------------
+    def on_preempt(self, t, step, s) -> None:
+        req = self.live(s)
+        if step != self.step:
+            self.fail(s, f"preempted at step {step} while step {self.step} is being scheduled")
+        if req is not None:
+            self.owns_nothing(s, req, "preemption")
+            req.cached = 0
+        self.preempted.append(s)
+        self.freeing = None
+
+    def on_cancel(self, t, step, s) -> None:
+        if self.live(s) is not None:
+            self.cancelling = s
+
+    def on_epoch_bump(self, t, s, epoch, reason) -> None:
+        req, p = self.live(s), self.prev
+        if not 0 <= reason < len(EPOCH_REASONS):
+            self.fail(s, f"epoch bump with an unknown reason {reason!r}")
+        elif p is None or p.kind not in BUMP_REASON or p.seq_id != s:
+            self.fail(s, f"epoch bump ({EPOCH_REASONS[reason]}) with no preemption or cancellation before it")
+        elif EPOCH_REASONS[reason] != BUMP_REASON[p.kind]:
+            self.fail(s, f"epoch bump with reason {EPOCH_REASONS[reason]} right after a {p.kind}")
+        if req is not None:
+            if epoch != req.epoch + 1:
+                self.fail(s, f"epoch goes from {req.epoch} to {epoch}; it only grows, by 1")
+            req.epoch = epoch
+
+    def on_finish(self, t, step, s, reason) -> None:
+        req = self.live(s)
+        name = FINISH_REASONS[reason] if 0 <= reason < len(FINISH_REASONS) else f"unknown reason {reason!r}"
+        if (name == "abort") != (self.cancelling == s):
+            self.fail(s, f"finish ({name}) " + ("after a cancellation" if self.cancelling == s else
+                                                "without a cancellation before it"))
+        if req is not None:
+            self.owns_nothing(s, req, f"finish ({name})")
+            req.finish = name
+        self.cancelling = None if self.cancelling == s else self.cancelling
+        self.freeing = None
+
+    # ---- scheduling: reservations and rows -----------------------------------------------------------
+    def on_reservation(self, t, step, s, epoch, output_position) -> None:
+        req = self.live(s)
+        if step != self.step:
+            self.fail(s, f"a reservation for step {step} while step {self.step} is being scheduled")
+        if req is not None:
+            if epoch != req.epoch:
+                self.fail(s, f"a reservation at epoch {epoch}, the request is at epoch {req.epoch}")
+            req.reserved[step] = epoch
+        self.reservations[s] = (epoch, output_position)
+
+    def on_schedule(self, t, step, kind, rows, preempted) -> None:
+        self.step_offsets.append([step, self.event.offset])
+        if step != self.step:
+            self.fail(None, f"step {step} scheduled where step {self.step} comes next")
+        if sorted(preempted) != sorted(self.preempted):
+            self.fail(None, f"the batch lists preempted requests {sorted(preempted)}, the events preempted "
+                            f"{sorted(self.preempted)}")
+        seen: set[int] = set()
+        for row in map(lambda r: Row(*r), rows):
+            if row.seq_id in seen or row.seq_id in preempted:
+                self.fail(row.seq_id, "the request is in the batch twice, or both preempted and scheduled")
+            seen.add(row.seq_id)
+            self.check_row(BATCH_KINDS[kind], row)
+        for s in self.reservations.keys() - seen:  # a row dropped because its request was preempted later
+            if s not in preempted:                  # in the same step: the reservation is void
+                self.fail(s, "a reservation without a sampled row")
+            if s in self.reqs:
+                self.reqs[s].reserved.pop(self.step, None)
+        self.step, self.preempted, self.reservations = self.step + 1, [], {}
+
+    def check_row(self, kind: str, r: Row) -> None:
+        """One finding per row at most; the rebuilt state then follows the row (its computed positions)."""
+        s, req = r.seq_id, self.live(r.seq_id)
+        if req is None:
+            return
+        found = len(self.findings)
+        inflight = req.inflight(self.step)
+        get_len, end = len(req.tokens) + inflight, r.start + len(r.token_ids)
+        if r.epoch != req.epoch:
+            self.fail(s, f"a {kind} row at epoch {r.epoch}, the request is at epoch {req.epoch}")
+        if list(r.block_table) != req.blocks or r.state_slot != req.slot:
+            self.fail(s, f"a {kind} row uses blocks {list(r.block_table)} and slot {r.state_slot}, the request "
+                         f"owns blocks {req.blocks} and slot {req.slot}")
+        if kind == "decode":
+            self.check_decode(s, req, r, inflight)
+        elif r.start != req.cached:
+            self.fail(s, f"a prefill chunk starts at position {r.start}, {req.cached} are computed")
+        elif inflight or end > len(req.tokens) or list(r.token_ids) != req.tokens[r.start:end]:
+            self.fail(s, f"a prefill chunk [{r.start}, {end}) does not feed the request's own tokens")
+        if len(self.findings) == found and r.sample != (end == get_len):
+            self.fail(s, f"a {kind} row ending at {end} with sample={r.sample}, get_len() is {get_len}")
+        if len(self.findings) == found and r.sample and \
+                self.reservations.get(s) != (req.epoch, get_len - req.prompt_len):
+            self.fail(s, f"a sampled row whose reservation {self.reservations.get(s)} is not (epoch "
+                         f"{req.epoch}, output position {get_len - req.prompt_len})")
+        req.cached = end if kind == "prefill" or len(self.findings) == found else get_len
+
+    def check_decode(self, s: int, req: _Request, r: Row, inflight: int) -> None:
+        """Decode is legal only when num_cached_tokens == get_len() - 1 (ARCHITECTURE.md §3)."""
+        last = len(req.tokens) + inflight - 1
+        if len(r.token_ids) != 1 or r.start != last:
+            self.fail(s, f"a decode row at position {r.start} with {len(r.token_ids)} tokens, legal only at "
+                         f"get_len() - 1 = {last} ({len(req.tokens)} tokens, {inflight} in flight)")
+        elif req.cached != last:
+            self.fail(s, f"a decode row at position {r.start} with {req.cached} positions computed")
+        elif r.token_ids[0] != (None if inflight else req.tokens[-1]):
+            want = "None (a token is in flight)" if inflight else f"{req.tokens[-1]}, the last token"
+            self.fail(s, f"a decode row whose input token is {r.token_ids[0]}, expected {want}")
+
+    # ---- processing: tokens and digests --------------------------------------------------------------
+    def on_token(self, t, step, s, epoch, position, token_id, appended) -> None:
+        req = self.reqs.get(s)
+        if req is None:
+            self.fail(s, "a token for a request that was never added")
+            return
+        reserved = req.reserved.pop(step, None)
+        if reserved is None:
+            self.fail(s, f"a token for step {step} that no reservation asked for")
+        elif reserved != epoch:
+            self.fail(s, f"a token at epoch {epoch} answering a reservation at epoch {reserved}")
+        if not appended:
+            if req.finish is None and epoch == req.epoch:
+                self.fail(s, f"a token of the current epoch {epoch} discarded")
+        elif req.finish is not None:
+            self.fail(s, f"a token appended after the request finished ({req.finish})")
+        elif position != len(req.tokens):
+            self.fail(s, f"a token appended at position {position}, the request has {len(req.tokens)} tokens")
+        else:  # what the engine holds now, stale or not
+            if epoch != req.epoch:
+                self.fail(s, f"a stale token appended: epoch {epoch}, the request is at epoch {req.epoch}")
+            req.tokens.append(token_id)
+
+    def on_step_digest(self, step, digest) -> None:
+        for s, req in self.reqs.items():
+            if req.reserved.pop(step, None) is not None:
+                self.fail(s, f"step {step} processed without a token for this request's reservation")
+        rows = sorted((s, r.epoch, r.slot, tuple(r.blocks)) for s, r in self.reqs.items() if r.finish is None)
+        rebuilt = hashlib.blake2b(repr(rows).encode(), digest_size=8).hexdigest()
+        if digest != rebuilt:
+            self.fail(None, f"step digest {digest} recorded, the tables rebuilt from the events give {rebuilt}")
+
+    # ---- the end ----------------------------------------------------------------------------------------
+    def end(self, trace: TraceFile) -> None:
+        self.event = None
+        if trace.cut is not None:
+            self.findings.append(Finding(None, None, trace.cut.offset, f"{trace.cut}; verified up to there, "
+                                         "without the end-of-run checks", violation=False))
+            return
+        self._check_order("footer", None)
+        for s, req in sorted(self.reqs.items()):
+            if req.finish is None:
+                self.fail(s, "the request never finished")
+            if req.reserved:
+                self.fail(s, f"reservations of steps {sorted(req.reserved)} never answered by a token")
+        held: dict[int, list[str]] = {}
+        for owner, what in ((self.block_owner, "block"), (self.slot_owner, "slot")):
+            for i, s in sorted(owner.items()):
+                held.setdefault(s, []).append(f"{what} {i}")
+        for s, names in sorted(held.items()):
+            self.fail(s, f"{', '.join(names)} never freed")
+        self._check_footer(trace.footer)
+
+    def _check_footer(self, footer: list) -> None:
+        counts, num_steps, step_offsets = footer[0], footer[1], footer[2]
+        if counts != dict(self.counts) or num_steps != len(self.step_offsets) or step_offsets != self.step_offsets:
+            diff = {k: (counts.get(k, 0), self.counts[k]) for k in set(counts) | set(self.counts)
+                    if counts.get(k, 0) != self.counts[k]}
+            self.fail(None, f"the footer does not index the events before it (counts in footer, in log: {diff}; "
+                            f"{num_steps} steps in footer, {len(self.step_offsets)} in log)")
