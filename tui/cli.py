@@ -1,19 +1,85 @@
 """The `mdi-trace` command line (ARCHITECTURE.md §1: tui/ is the face of the project).
 
 Exit codes: 0 success, 1 a finding, 2 bad usage or unreadable input. Every error a user can meet is
-one sentence on stderr, never a traceback. Subcommands so far: `checkpoint init` and `generate` (random
-prompts through the engine, a smoke run); `record`, `view`, `verify` and `check` arrive with the
-tracer (issues #4-#6).
+one sentence on stderr, never a traceback. Subcommands: `checkpoint init`, `generate` (random prompts
+through the engine, a smoke run), `record` (a run under the Recorder), `info`, `export` and `verify` (of
+a trace); `view` and `check` arrive with their issues.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import random
+import shlex
+import signal
 import sys
 import time
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's usage block and message, as one sentence
+        self.exit(2, f"mdi-trace: {message}.\n")
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        lo, hi = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX, two whole numbers, not {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, not {text!r}")
+    return lo, hi
+
+
+def _probability(text: str) -> float:
+    try:
+        p = float(text)
+    except ValueError:
+        p = -1.0
+    if not 0.0 <= p <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability between 0 and 1, not {text!r}")
+    return p
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return n
+
+
+def _record_parser(sub) -> None:
+    rec = sub.add_parser("record", help="run the engine on random prompts (or a jsonl file) and record a trace")
+    rec.add_argument("-o", "--output", help="trace file (default: traces/run-YYYYmmdd-HHMMSS.mdt)")
+    rec.add_argument("--model", default="tiny-68m", help="a preset name or a checkpoint folder")
+    rec.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    rec.add_argument("--num-prompts", type=_positive, default=16)
+    rec.add_argument("--input-len", type=_range, default=(64, 512), metavar="MIN:MAX",
+                     help="prompt lengths, uniform in [MIN, MAX] (default 64:512)")
+    rec.add_argument("--output-len", type=_range, default=(16, 64), metavar="MIN:MAX",
+                     help="max_tokens, uniform in [MIN, MAX] (default 16:64)")
+    rec.add_argument("--prompts", metavar="FILE.jsonl",
+                     help='one {"prompt": text or token ids, "max_tokens": N (optional)} per line')
+    rec.add_argument("--temperature", type=float, default=0.0)
+    rec.add_argument("--seed", type=int, default=0, help="seed of the prompts, the cancellations and the sampler")
+    rec.add_argument("--zos", action=argparse.BooleanOptionalAction, default=True,
+                     help="zero-overhead scheduling: schedule step N while the device runs N-1")
+    rec.add_argument("--max-num-batched-tokens", type=_positive, default=512)
+    rec.add_argument("--max-num-seqs", type=_positive, default=8)
+    rec.add_argument("--num-kv-blocks", type=_positive, default=24,
+                     help="KV pool in 128-token blocks; the default is small enough that some preemption happens")
+    rec.add_argument("--num-state-slots", type=_positive, default=None, help="default: --max-num-seqs")
+    rec.add_argument("--cancel-rate", type=_probability, default=0.1, metavar="P",
+                     help="cancel each request with probability P, after a random number of its output tokens")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mdi-trace", description="mini-DeepInfer's debugger.")
+    p = _Parser(prog="mdi-trace", description="mini-DeepInfer's debugger.")
     sub = p.add_subparsers(dest="command", required=True)
     ck = sub.add_parser("checkpoint", help="create or inspect checkpoints").add_subparsers(dest="action", required=True)
     init = ck.add_parser("init", help="write a random-weight checkpoint from a preset and a seed")
@@ -28,6 +94,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    _record_parser(sub)
+    info = sub.add_parser("info", help="a trace's header and summary, and whether it was cut short")
+    info.add_argument("trace")
+    exp = sub.add_parser("export", help="convert a trace (Chrome trace JSON for Perfetto)")
+    exp.add_argument("trace")
+    exp.add_argument("--format", default="perfetto", choices=["perfetto"])
+    exp.add_argument("-o", "--output", help="output file (default: the trace's name with .json)")
+    ver = sub.add_parser("verify", help="check a trace against the engine's invariants (exit 1 on a finding)")
+    ver.add_argument("trace")
     return p
 
 
@@ -76,16 +151,237 @@ def _generate(a) -> int:
     return 0
 
 
+# ---- record --------------------------------------------------------------------------------------
+def _read_prompts(path: str) -> list[tuple[str | list[int], int | None]]:
+    """(prompt, max_tokens or None) per line of a jsonl file; a bad line is one sentence with its number."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"mdi-trace: cannot read {path}: {getattr(e, 'strerror', None) or e}.") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = None
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
+        max_tokens = obj.get("max_tokens") if isinstance(obj, dict) else None
+        ids_ok = isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt)
+        if not ((isinstance(prompt, str) and prompt) or ids_ok) or not (
+                max_tokens is None or (isinstance(max_tokens, int) and max_tokens >= 1)):
+            raise SystemExit(f'mdi-trace: {path} line {n} is not {{"prompt": text or token ids, '
+                             f'"max_tokens": N (optional)}}.')
+        prompts.append((prompt, max_tokens))
+    if not prompts:
+        raise SystemExit(f"mdi-trace: {path} has no prompts.")
+    return prompts
+
+
+def _requests(a, llm, rng: random.Random) -> list[tuple[list[int], object]]:
+    """(prompt token ids, SamplingParams) per request: random ids and lengths, or the --prompts file."""
+    from engine import SamplingParams
+
+    def max_tokens():
+        return rng.randint(*a.output_len)
+    if a.prompts:
+        return [(llm.tokenizer.encode(p) if isinstance(p, str) else p,
+                 SamplingParams(temperature=a.temperature, max_tokens=m or max_tokens()))
+                for p, m in _read_prompts(a.prompts)]
+    vocab = llm.engine.runner.model.args.vocab_size
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*a.input_len))],
+             SamplingParams(temperature=a.temperature, max_tokens=max_tokens(), ignore_eos=True))
+            for _ in range(a.num_prompts)]
+
+
+def _run(engine, cancel_at: dict[int, int], total: int) -> bool:
+    """Steps the engine to the end under a progress bar, cancelling request i once it has cancel_at[i]
+    output tokens (0: as soon as it has been scheduled). Ctrl-C stops at the end of the step under way
+    and cancels the unfinished requests, so the trace stays consistent; returns whether that happened."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    interrupted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+               TimeElapsedColumn())
+    try:
+        with Progress(*columns, transient=True) as bar:
+            task, steps = bar.add_task("recording", total=total), 0
+            while engine.has_unfinished() and not interrupted:
+                bar.advance(task, len(engine.step()))
+                steps += 1
+                bar.update(task, description=f"recording, step {steps}")
+                for seq_id, k in list(cancel_at.items()):
+                    seq = engine.scheduler.seqs.get(seq_id)
+                    if seq is None or (seq.num_cached_tokens and seq.num_output_tokens >= k):
+                        del cancel_at[seq_id]
+                        if seq is not None:
+                            engine.abort(seq_id)
+            if interrupted:
+                for seq_id in list(engine.scheduler.seqs):
+                    engine.abort(seq_id)
+                engine.step()  # applies the cancellations and processes the step in flight
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return bool(interrupted)
+
+
+def _record(a, argv: list[str]) -> int:
+    from rich.console import Console
+
+    from engine import LLM
+    from tracing import Recorder
+    from tracing.reader import open_trace
+
+    if a.prompts:
+        _read_prompts(a.prompts)  # a bad file fails before the model loads
+    out = Path(a.output or f"traces/run-{time.strftime('%Y%m%d-%H%M%S')}.mdt")
+    if out.is_dir():
+        raise SystemExit(f"mdi-trace: {out} is a folder; give -o a file name.")
+    recorder = Recorder(out, argv=["mdi-trace", *argv])
+    try:
+        llm = LLM(a.model, device=a.device, enable_zos=a.zos, max_num_batched_tokens=a.max_num_batched_tokens,
+                  max_num_seqs=a.max_num_seqs, num_kv_blocks=a.num_kv_blocks, num_state_slots=a.num_state_slots,
+                  tracer=recorder, seed=a.seed)
+    except BaseException as e:
+        recorder.file.close()
+        out.unlink(missing_ok=True)
+        if isinstance(e, ValueError):
+            raise SystemExit(f"mdi-trace: {e}") from None
+        raise
+    console = Console()
+    rng = random.Random(a.seed)
+    engine, interrupted, refused = llm.engine, False, None
+    try:
+        requests = _requests(a, llm, rng)
+        ids = [engine.add_request(ids, params) for ids, params in requests]
+        cancel_at = {i: rng.randrange(p.max_tokens) for i, (_, p) in zip(ids, requests)
+                     if rng.random() < a.cancel_rate}
+        start = time.perf_counter()
+        interrupted = _run(engine, cancel_at, len(ids))
+    except KeyboardInterrupt:  # before the run started
+        interrupted = True
+    except ValueError as e:  # a request that does not fit the model or the KV pool
+        refused = e
+    finally:
+        engine.shutdown()  # writes the footer
+    if refused:
+        out.unlink(missing_ok=True)
+        raise SystemExit(f"mdi-trace: {refused}")
+    if interrupted:
+        print(f"mdi-trace: interrupted; the unfinished requests were cancelled and the trace is in {out}.",
+              file=sys.stderr)
+        return 130
+    elapsed = time.perf_counter() - start
+    _print_summary(console, open_trace(out), f"recorded {out} in {elapsed:.1f} s", size=True)
+    console.print(f"view it: [bold]mdi-trace view {shlex.quote(str(out))}[/]   "
+                  f"(or mdi-trace info {shlex.quote(str(out))})")
+    return 0
+
+
+# ---- info / export / verify ------------------------------------------------------------------------
+def _print_summary(console, trace, title: str, size: bool = False) -> None:
+    from rich.table import Table
+
+    from tracing.summary import summarize
+
+    s = summarize(trace)
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    rows = [("requests", f"{s.requests}"),
+            ("steps", f"{s.num_steps} ({s.steps['prefill']} prefill, {s.steps['decode']} decode)"),
+            ("tokens", f"{s.prompt_tokens:,} prompt, {s.computed_tokens:,} computed (with recomputation), "
+                       f"{s.output_tokens:,} output"),
+            ("stale tokens", f"{s.stale_tokens}"),
+            ("preemptions", f"{s.preemptions}"),
+            ("cancellations", f"{s.cancellations}"),
+            ("finish reasons", ", ".join(f"{k} {v}" for k, v in sorted(s.finish_reasons.items())) or "none"),
+            ("duration", f"{s.duration_s:.2f} s"),
+            ("tokens/s", f"{s.per_second(s.computed_tokens):,.0f} computed, {s.per_second(s.output_tokens):,.0f} "
+                         "output"),
+            ("device busy", f"{100 * s.device_busy:.0f}%")]
+    if size:
+        rows.append(("trace size", f"{trace.path.stat().st_size / 1024:,.0f} KiB, {s.events:,} events"))
+    for row in rows:
+        t.add_row(*row)
+    t.add_row("log", f"[red]{trace.cut}[/]" if trace.cut else "complete (footer present)")
+    console.print(t)
+
+
+def _info(a) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tracing.reader import open_trace
+
+    trace = open_trace(a.trace)
+    h = trace.header
+    m, e = h.get("model") or {}, h.get("engine") or {}
+    t = Table(title=f"{a.trace}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    rows = [("device", h.get("device")),
+            ("versions", f"schema {h.get('schema_version')}, torch {h.get('torch')}, triton {h.get('triton')}"),
+            ("model", f"vocab {m.get('vocab_size')}, dim {m.get('dim')}, {m.get('n_layers')} layers, "
+                      f"max_seq_len {m.get('max_seq_len')}, {h.get('dtype')}"),
+            ("checkpoint digest", h.get("checkpoint_digest")),
+            ("engine", ", ".join(f"{k} {v}" for k, v in e.items() if k != "eos_token_id")),
+            ("seed", h.get("seed")),
+            ("time", h.get("time")),
+            ("argv", shlex.join(map(str, h.get("argv") or [])))]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    console = Console()
+    console.print(t)
+    _print_summary(console, trace, "summary")
+    return 0
+
+
+def _export(a) -> int:
+    from tracing.export import export_perfetto
+    from tracing.reader import open_trace
+
+    out = Path(a.output or Path(a.trace).with_suffix(".json"))
+    trace = open_trace(a.trace)
+    n = export_perfetto(trace, out)
+    cut = f"; {trace.cut}" if trace.cut else ""
+    print(f"wrote {out}: {n:,} trace events{cut}; open it at https://ui.perfetto.dev")
+    return 0
+
+
+def _verify(a) -> int:
+    try:
+        from tracing.verify import verify
+    except ImportError as e:
+        if e.name != "tracing.verify":
+            raise
+        raise SystemExit("mdi-trace: verify is not built yet (tracing/verify.py is missing).") from None
+    from tracing.reader import open_trace
+
+    trace = open_trace(a.trace)
+    findings = verify(trace)
+    for f in findings:
+        print(f)
+    if trace.cut:
+        print(f"note: {trace.cut}")
+    print(f"{len(findings)} finding(s)" if findings else "no findings")
+    return 1 if findings else 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     a = _parser().parse_args(argv)
     from model.checkpoint import CheckpointError
     from model.config import ConfigError
+    from tracing.reader import TraceError
 
+    commands = {"checkpoint": _checkpoint_init, "generate": _generate, "info": _info, "export": _export,
+                "verify": _verify, "record": lambda a: _record(a, argv)}
     try:
-        if a.command == "checkpoint":
-            return _checkpoint_init(a)
-        return _generate(a)
-    except (CheckpointError, ConfigError, OSError) as e:
+        return commands[a.command](a)
+    except (CheckpointError, ConfigError, TraceError, OSError) as e:
         print(f"mdi-trace: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:

@@ -1,0 +1,129 @@
+"""Chrome trace JSON for Perfetto (ui.perfetto.dev) and chrome://tracing (ARCHITECTURE.md §5: exporters).
+
+One process, "engine", with a track per CPU phase (schedule, execute, process) and a "device" track:
+- a complete slice ("X") per phase per step, named "<phase> <step>", with the batch's kind and size;
+- a flow ("s" -> "f", bound to the enclosing slices) from each step's execute slice to its device slice,
+  which under ZOS shows step N enqueued while the device still runs N-1;
+- counters ("C") of free KV blocks and free state slots, rebuilt from the alloc/free events starting
+  from the header's engine config (`num_kv_blocks`, `num_state_slots`);
+- instants ("i") for preemptions and cancellations, on the schedule track.
+Times in the JSON are microseconds since the recorder's t0 (the log's are nanoseconds). Pure Python.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tracing.reader import TraceError, TraceFile
+from tracing.schema import BATCH_KINDS, PHASES
+
+PID = 1
+TRACKS = (*PHASES, "device")          # thread ids 1..4, in this order
+TID = {name: i + 1 for i, name in enumerate(TRACKS)}
+
+
+def chrome_trace(trace: TraceFile) -> dict:
+    """The whole log as a Chrome trace JSON object ({"traceEvents": [...]})."""
+    try:
+        return _Builder(trace).build()
+    except TraceError:
+        raise
+    except (IndexError, KeyError, TypeError, ValueError) as e:
+        raise TraceError(f"{trace.path} has a malformed event ({type(e).__name__}); cannot export it.") from None
+
+
+def export_perfetto(trace: TraceFile, out: str | Path) -> int:
+    """Writes the JSON to `out`; returns the number of trace events."""
+    doc = chrome_trace(trace)
+    with open(out, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    return len(doc["traceEvents"])
+
+
+def _us(ns: int) -> float:
+    return ns / 1000
+
+
+class _Builder:
+    def __init__(self, trace: TraceFile):
+        self.trace = trace
+        engine = trace.header.get("engine") or {}
+        self.free = {"free KV blocks": int(engine.get("num_kv_blocks", 0)),
+                     "free state slots": int(engine.get("num_state_slots", 0))}
+        self.out: list[dict] = []
+        self.batches: dict[int, dict] = {}          # step -> args of its slices
+        self.flow_start: dict[int, float] = {}      # step -> ts of its execute slice
+        self.flow_end: dict[int, float] = {}        # step -> ts of its device slice
+
+    def build(self) -> dict:
+        self._metadata()
+        for name, value in self.free.items():
+            self.out.append(self._counter(name, 0, value))
+        for e in self.trace.events():
+            handler = getattr(self, "_" + e.kind, None)
+            if handler:
+                handler(*e.fields)
+        for step, ts in self.flow_start.items():
+            if step in self.flow_end:
+                flow = {"name": f"step {step}", "cat": "step", "id": step, "pid": PID}
+                self.out.append({**flow, "ph": "s", "tid": TID["execute"], "ts": ts})
+                self.out.append({**flow, "ph": "f", "bp": "e", "tid": TID["device"], "ts": self.flow_end[step]})
+        return {"traceEvents": self.out, "displayTimeUnit": "ms",
+                "otherData": {"device": str(self.trace.header.get("device")),
+                              "checkpoint_digest": str(self.trace.header.get("checkpoint_digest"))}}
+
+    def _metadata(self) -> None:
+        self.out.append({"ph": "M", "pid": PID, "name": "process_name", "args": {"name": "engine"}})
+        for name, tid in TID.items():
+            self.out.append({"ph": "M", "pid": PID, "tid": tid, "name": "thread_name", "args": {"name": name}})
+            self.out.append({"ph": "M", "pid": PID, "tid": tid, "name": "thread_sort_index",
+                             "args": {"sort_index": tid}})
+
+    def _slice(self, track: str, step: int, start: int, end: int) -> None:
+        ts = _us(start)
+        self.out.append({"ph": "X", "pid": PID, "tid": TID[track], "name": f"{track} {step}", "ts": ts,
+                         "dur": _us(end - start), "args": self.batches.get(step, {"step": step})})
+        if track == "execute":
+            self.flow_start[step] = ts
+        elif track == "device":
+            self.flow_end[step] = ts
+
+    def _counter(self, name: str, t: int, value: int) -> dict:
+        return {"ph": "C", "pid": PID, "name": name, "ts": _us(t), "args": {"free": value}}
+
+    def _count(self, name: str, t: int, delta: int) -> None:
+        self.free[name] += delta
+        self.out.append(self._counter(name, t, self.free[name]))
+
+    def _instant(self, what: str, t: int, step: int, seq_id: int) -> None:
+        self.out.append({"ph": "i", "s": "t", "pid": PID, "tid": TID["schedule"], "ts": _us(t),
+                         "name": f"{what} seq {seq_id}", "args": {"step": step, "seq_id": seq_id}})
+
+    # ---- one method per event kind (tracing/schema.py), fields in schema order ------------------
+    def _schedule(self, t, step, kind, rows, preempted):
+        self.batches[step] = {"step": step, "kind": BATCH_KINDS[kind], "rows": len(rows),
+                              "tokens": sum(len(r[3]) for r in rows), "preempted": list(preempted)}
+
+    def _cpu_span(self, step, phase, start, end):
+        self._slice(PHASES[phase], step, start, end)
+
+    def _device_span(self, step, start, end):
+        self._slice("device", step, start, end)
+
+    def _block_alloc(self, t, seq_id, block_ids):
+        self._count("free KV blocks", t, -len(block_ids))
+
+    def _block_free(self, t, seq_id, block_ids):
+        self._count("free KV blocks", t, len(block_ids))
+
+    def _slot_alloc(self, t, seq_id, slot):
+        self._count("free state slots", t, -1)
+
+    def _slot_free(self, t, seq_id, slot):
+        self._count("free state slots", t, 1)
+
+    def _preempt(self, t, step, seq_id):
+        self._instant("preempt", t, step, seq_id)
+
+    def _cancel(self, t, step, seq_id):
+        self._instant("cancel", t, step, seq_id)
