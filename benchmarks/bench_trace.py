@@ -25,7 +25,8 @@ from tracing import Recorder
 
 def tokens_per_s(a, trace_path: Path | None) -> float:
     """Prompt plus output tokens per second of one run, tracing to `trace_path` (None: off)."""
-    llm = LLM(a.model, max_num_seqs=a.num_prompts, tracer=Recorder(trace_path, argv=[]) if trace_path else None)
+    llm = LLM(a.model, device=a.device, max_num_seqs=a.num_prompts,
+              tracer=Recorder(trace_path, argv=[]) if trace_path else None)
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine.runner.model.args.vocab_size
     prompts = [torch.randint(3, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.num_prompts)]
@@ -73,6 +74,7 @@ def writer_throughput(path: Path, steps: int, batch: int) -> tuple[float, float]
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="micro")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--tokens", type=int, default=32)
@@ -88,17 +90,18 @@ def main() -> None:
         trace_bytes = Path(tmp, "run0.mdt").stat().st_size
         events_per_s, bytes_per_event = writer_throughput(Path(tmp, "writer.mdt"), a.writer_steps, 8)
     off, on = statistics.median(results[False]), statistics.median(results[True])
-    cpu = platform.processor() or platform.machine()
+    hw = (torch.cuda.get_device_name() if a.device == "cuda"
+          else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     table = Table(title=f"tracing overhead, {a.model}, {a.num_prompts} x ({a.prompt_len} + {a.tokens}) tokens, "
-                        f"CPU ({cpu}), median of {a.repeats}")
+                        f"{hw}, median of {a.repeats}")
     for col in ("tokens/s off", "tokens/s on", "on / off", "trace KiB", "writer events/s", "bytes/event"):
         table.add_column(col)
     row = (f"{off:,.0f}", f"{on:,.0f}", f"{on / off:.3f}", f"{trace_bytes / 1024:,.0f}", f"{events_per_s:,.0f}",
            f"{bytes_per_event:.1f}")
     table.add_row(*row)
     Console().print(table)
-    print(f"| tracing overhead, {a.model}, {a.num_prompts}x({a.prompt_len}+{a.tokens}), CPU {cpu}, "
-          f"{torch.get_num_threads()} threads | " + " | ".join(row) + " |")
+    print(f"| tracing overhead, {a.model}, {a.num_prompts}x({a.prompt_len}+{a.tokens}), {hw} | "
+          + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":
