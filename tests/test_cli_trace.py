@@ -32,7 +32,7 @@ def recorded(tmp_path_factory):
 def test_record_prints_a_summary_and_how_to_view_it(recorded):
     _, trace, run = recorded
     assert "requests" in run.stdout and "tokens/s" in run.stdout and "trace size" in run.stdout
-    assert f"mdi-trace view {trace}" in run.stdout and f"mdi-trace info {trace}" in run.stdout
+    assert f"mdi-trace info {trace}" in run.stdout and f"mdi-trace verify {trace}" in run.stdout
     t = open_trace(trace)
     s = summarize(t)
     assert t.clean and t.cut is None  # shutdown wrote the footer

@@ -275,8 +275,9 @@ def _record(a, argv: list[str]) -> int:
         return 130
     elapsed = time.perf_counter() - start
     _print_summary(console, open_trace(out), f"recorded {out} in {elapsed:.1f} s", size=True)
-    console.print(f"view it: [bold]mdi-trace view {shlex.quote(str(out))}[/]   "
-                  f"(or mdi-trace info {shlex.quote(str(out))})")
+    q = shlex.quote(str(out))
+    console.print(f"look at it: [bold]mdi-trace info {q}[/], [bold]mdi-trace verify {q}[/], or in Perfetto "
+                  f"after [bold]mdi-trace export {q} --format perfetto -o run.json[/]")
     return 0
 
 
