@@ -276,8 +276,9 @@ def _record(a, argv: list[str]) -> int:
     elapsed = time.perf_counter() - start
     _print_summary(console, open_trace(out), f"recorded {out} in {elapsed:.1f} s", size=True)
     q = shlex.quote(str(out))
-    console.print(f"look at it: [bold]mdi-trace info {q}[/], [bold]mdi-trace verify {q}[/], or in Perfetto "
-                  f"after [bold]mdi-trace export {q} --format perfetto -o run.json[/]")
+    console.print(f"look at it:\n  [bold]mdi-trace info {q}[/]\n  [bold]mdi-trace verify {q}[/]\n"
+                  f"  [bold]mdi-trace export {q} --format perfetto -o run.json[/]  (then ui.perfetto.dev)",
+                  soft_wrap=True)
     return 0
 
 
