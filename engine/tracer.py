@@ -39,14 +39,16 @@ class MemoryTracer(NullTracer):
     def __init__(self):
         self.events: list[tuple] = []
 
-    def __getattribute__(self, name):
-        if name in _HOOKS:
-            events = object.__getattribute__(self, "events")
-            return lambda *args: events.append((name, *args))
-        return object.__getattribute__(self, name)
-
     def kinds(self, *names: str) -> list[tuple]:
         return [e for e in self.events if e[0] in names]
 
 
-_HOOKS = {n for n in vars(NullTracer) if not n.startswith("_") and n != "enabled"}
+def _recording(name: str):
+    def hook(self, *args):
+        self.events.append((name, *args))
+    hook.__name__ = name
+    return hook
+
+
+for _name in [n for n in vars(NullTracer) if not n.startswith("_") and n != "enabled"]:
+    setattr(MemoryTracer, _name, _recording(_name))
