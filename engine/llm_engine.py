@@ -11,7 +11,6 @@ steps are applied at the start of the next step, before it is scheduled.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import platform
 import time
@@ -110,14 +109,9 @@ class LLMEngine:
         self.tracer.device_span(handle.batch.step, *handle.device_span)
         finished = self.scheduler.process(handle.batch, tokens)
         if self.tracer.enabled:
-            self.tracer.step_digest(handle.batch.step, self.digest())
+            self.tracer.step_digest(handle.batch.step, self.scheduler.digest())
         self.tracer.cpu_span(handle.batch.step, "process", t0, time.perf_counter_ns())
         return finished
-
-    def digest(self) -> str:
-        """A digest of every unfinished sequence's epoch, state slot and block table."""
-        rows = sorted((s.seq_id, s.epoch, s.state_slot, tuple(s.block_table)) for s in self.scheduler.seqs.values())
-        return hashlib.blake2b(repr(rows).encode(), digest_size=8).hexdigest()
 
     def shutdown(self) -> None:
         """Finish the step in flight, stop the device worker and close the tracer (its footer)."""

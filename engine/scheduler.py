@@ -21,12 +21,20 @@ on the device from the previous step's output (`input_token_id is None`: remap b
 """
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, StateManager
 from engine.sequence import Sequence, SequenceStatus
 from engine.tracer import NullTracer
+
+
+def tables_digest(rows) -> str:
+    """The per-step digest of the resource tables: rows of (seq_id, epoch, state_slot, block_table), one per
+    unfinished sequence. Written by the engine, recomputed by verify and by scheduler replay."""
+    rows = sorted((s, e, slot, tuple(blocks)) for s, e, slot, blocks in rows)
+    return hashlib.blake2b(repr(rows).encode(), digest_size=8).hexdigest()
 
 
 @dataclass(slots=True)
@@ -87,6 +95,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def digest(self) -> str:
+        """`tables_digest` of every unfinished sequence's epoch, state slot and block table."""
+        return tables_digest((s.seq_id, s.epoch, s.state_slot, s.block_table) for s in self.seqs.values())
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:

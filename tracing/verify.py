@@ -38,10 +38,10 @@ processed step). A damaged file raises the reader's TraceError.
 """
 from __future__ import annotations
 
-import hashlib
 from collections import Counter, namedtuple
 from dataclasses import dataclass, field
 
+from engine.scheduler import tables_digest
 from tracing.reader import Event, TraceFile
 from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, ROW_FIELDS
 
@@ -359,8 +359,7 @@ class _Verifier:
         for s, req in self.reqs.items():
             if req.reserved.pop(step, None) is not None:
                 self.fail(s, f"step {step} processed without a token for this request's reservation")
-        rows = sorted((s, r.epoch, r.slot, tuple(r.blocks)) for s, r in self.reqs.items() if r.finish is None)
-        rebuilt = hashlib.blake2b(repr(rows).encode(), digest_size=8).hexdigest()
+        rebuilt = tables_digest((s, r.epoch, r.slot, r.blocks) for s, r in self.reqs.items() if r.finish is None)
         if digest != rebuilt:
             self.fail(None, f"step digest {digest} recorded, the tables rebuilt from the events give {rebuilt}")
 

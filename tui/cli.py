@@ -2,8 +2,8 @@
 
 Exit codes: 0 success, 1 a finding, 2 bad usage or unreadable input. Every error a user can meet is
 one sentence on stderr, never a traceback. Subcommands: `checkpoint init`, `generate` (random prompts
-through the engine, a smoke run), `record` (a run under the Recorder), `info`, `export` and `verify` (of
-a trace); `view` and `check` arrive with their issues.
+through the engine, a smoke run), `record` (a run under the Recorder), `info`, `export`, `verify` and
+`check --scheduler` (of a trace); `view` and the model replay of `check` arrive with their issues.
 """
 from __future__ import annotations
 
@@ -103,6 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("-o", "--output", help="output file (default: the trace's name with .json)")
     ver = sub.add_parser("verify", help="check a trace against the engine's invariants (exit 1 on a finding)")
     ver.add_argument("trace")
+    chk = sub.add_parser("check", help="replay a trace and compare it with the recording (exit 1 on a mismatch)")
+    chk.add_argument("trace")
+    chk.add_argument("--scheduler", action="store_true",
+                     help="replay the scheduler alone, with no model: the recorded arrivals, cancellations and "
+                          "sampled tokens in, every batch and resource digest compared")
     return p
 
 
@@ -372,18 +377,50 @@ def _verify(a) -> int:
     return 1 if findings else 0
 
 
+def _check(a) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tracing.reader import open_trace
+    from tracing.replay import replay_scheduler
+
+    if not a.scheduler:
+        raise SystemExit("mdi-trace: check replays only the scheduler for now; add --scheduler.")
+    trace = open_trace(a.trace)
+    r = replay_scheduler(trace)
+    if r.mismatch:
+        print(f"mismatch: {r.mismatch}")
+    t = Table(title=f"scheduler replay of {a.trace}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    for row in (("steps replayed", f"{r.steps} ({r.kinds['prefill']} prefill, {r.kinds['decode']} decode)"),
+                ("rows compared", f"{r.rows:,}"),
+                ("digests compared", f"{r.digests}"),
+                ("tokens fed", f"{r.tokens:,}"),
+                ("cancellations", f"{r.cancellations}"),
+                ("log", f"[red]{r.cut}[/]" if r.cut else "complete (footer present)"),
+                ("result", f"[red]first mismatch at step {r.mismatch.step}[/]" if r.mismatch
+                 else "[green]every step matches[/]")):
+        t.add_row(*row)
+    Console().print(t)
+    return 1 if r.mismatch else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = _parser().parse_args(argv)
-    from model.checkpoint import CheckpointError
     from model.config import ConfigError
     from tracing.reader import TraceError
 
+    def user_errors():  # evaluated when an exception is matched: CheckpointError only if torch was loaded
+        checkpoint = sys.modules.get("model.checkpoint")
+        return (ConfigError, TraceError, OSError) + ((checkpoint.CheckpointError,) if checkpoint else ())
+
     commands = {"checkpoint": _checkpoint_init, "generate": _generate, "info": _info, "export": _export,
-                "verify": _verify, "record": lambda a: _record(a, argv)}
+                "verify": _verify, "check": _check, "record": lambda a: _record(a, argv)}
     try:
         return commands[a.command](a)
-    except (CheckpointError, ConfigError, TraceError, OSError) as e:
+    except user_errors() as e:
         print(f"mdi-trace: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:
