@@ -42,7 +42,7 @@ class LLM:
         # On CPU one intra-op thread decodes faster than two (benchmarks/RESULTS.md); torch's setting is
         # process-wide, so cpu_threads=None leaves it as it is.
         self.engine = LLMEngine(weights, config, enable_zos, seed, tracer, cpu_threads if device == "cpu" else None,
-                                self.digest)
+                                self.digest, model)
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params=None,
                  progress: bool = True) -> list[RequestOutput]:

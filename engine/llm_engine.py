@@ -11,14 +11,12 @@ steps are applied at the start of the next step, before it is scheduled.
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
 import time
 
 import torch
 
 from engine.block_manager import BLOCK_SIZE
-from engine.model_runner import ModelRunner, StepHandle
+from engine.model_runner import ModelRunner, StepHandle, device_name
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 from engine.tracer import NullTracer
@@ -28,7 +26,7 @@ from model.transformer import Transformer
 
 class LLMEngine:
     def __init__(self, weights: Transformer, config: SchedulerConfig, enable_zos: bool = True, seed: int = 0,
-                 tracer=None, cpu_threads: int | None = None, checkpoint_digest: str = ""):
+                 tracer=None, cpu_threads: int | None = None, checkpoint_digest: str = "", model_source: str = ""):
         self.tracer = tracer or NullTracer()
         self.config, self.enable_zos, self.seed = config, enable_zos, seed
         self.max_seq_len = weights.args.max_seq_len
@@ -37,7 +35,7 @@ class LLMEngine:
         self.in_flight: StepHandle | None = None  # under ZOS: the step whose result is not processed yet
         self.pending_aborts: list[int] = []
         self.next_id = 0
-        self.tracer.start(self._header(weights, checkpoint_digest))
+        self.tracer.start({**self._header(weights, checkpoint_digest), "model_source": model_source})
 
     def _header(self, weights: Transformer, checkpoint_digest: str) -> dict:
         """What a trace needs to rebuild this engine: configs, weights digest, device and versions."""
@@ -49,10 +47,10 @@ class LLMEngine:
             triton_version = None
         return {"engine": {**dataclasses.asdict(self.config), "enable_zos": self.enable_zos, "block_size": BLOCK_SIZE},
                 "model": weights.args.to_dict(), "checkpoint_digest": checkpoint_digest,
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-                f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
+                "device": device_name(device),
                 "torch": torch.__version__, "triton": triton_version,
                 "dtype": str(weights.embed.weight.dtype).removeprefix("torch."), "seed": self.seed,
+                "intra_op_threads": torch.get_num_threads(),  # CPU kernels' bits depend on it
                 "rank": 0, "world_size": 1}
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:

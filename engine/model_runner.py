@@ -12,6 +12,8 @@ the scheduler's Python and the forward's many small ops share the GIL (ARCHITECT
 """
 from __future__ import annotations
 
+import os
+import platform
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +40,13 @@ class _HostInputs:
     positions: torch.Tensor      # [B] int64: the output position each row draws
     context_len: int
     decode: bool
+
+
+def device_name(device: torch.device) -> str:
+    """The device as traces record it: the GPU's name, or the CPU's architecture and core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
 
 
 class StepHandle:

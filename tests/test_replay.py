@@ -191,7 +191,8 @@ def test_check_scheduler_exits_1_and_names_the_first_mismatch(preempted, tmp_pat
 
 
 @pytest.mark.parametrize("args", [["check", "missing.mdt", "--scheduler"], ["check", "README.md", "--scheduler"],
-                                  ["check", str(EXAMPLE)]])
+                                  ["check", str(EXAMPLE), "--model", "/nonexistent"],
+                                  ["check", str(EXAMPLE), "--device", "tpu"]])
 def test_check_bad_input_is_one_sentence_and_exit_2(args):
     run = mdi(*args)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and run.stderr.startswith("mdi-trace: ")

@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--scheduler", action="store_true",
                      help="replay the scheduler alone, with no model: the recorded arrivals, cancellations and "
                           "sampled tokens in, every batch and resource digest compared")
+    chk.add_argument("--until", type=int, help="re-execute the steps up to and including step N")
+    chk.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    chk.add_argument("--model", help="the recorded checkpoint (default: the trace's model_source)")
     return p
 
 
@@ -384,9 +387,9 @@ def _check(a) -> int:
     from tracing.reader import open_trace
     from tracing.replay import replay_scheduler
 
-    if not a.scheduler:
-        raise SystemExit("mdi-trace: check replays only the scheduler for now; add --scheduler.")
     trace = open_trace(a.trace)
+    if not a.scheduler:
+        return _check_tokens(a, trace)
     r = replay_scheduler(trace)
     if r.mismatch:
         print(f"mismatch: {r.mismatch}")
@@ -404,6 +407,32 @@ def _check(a) -> int:
         t.add_row(*row)
     Console().print(t)
     return 1 if r.mismatch else 0
+
+
+def _check_tokens(a, trace) -> int:
+    """Re-execute the recorded batches on the model and compare every sampled token."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from tracing.execute import check_tokens
+
+    if a.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit("mdi-trace: --device cuda needs a CUDA GPU and none is visible; use --device cpu.")
+    console = Console()
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("re-executing", total=None)
+        r = check_tokens(trace, a.model, a.device, a.until, lambda i, n: bar.update(task, completed=i, total=n))
+    if r.platform_note:
+        console.print(f"[yellow]{r.platform_note}[/]", soft_wrap=True)
+    if r.cut:
+        console.print(f"[yellow]{r.cut}: re-executed what it holds[/]", soft_wrap=True)
+    if r.mismatch:
+        print(f"mismatch: {r.mismatch}")
+        return 1
+    console.print(f"[green]{r.steps} steps re-executed, {r.tokens:,} sampled tokens identical[/]")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

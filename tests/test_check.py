@@ -1,0 +1,68 @@
+"""`mdi-trace check TRACE`: re-execute a recorded run's batches on the model and compare every sampled token
+(ARCHITECTURE.md §6, "Replay"). On the machine and torch that recorded it the comparison is exact."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_verify import field, find, read_log, record_cancellation, record_preemption, set_field, write_log
+
+from tracing.execute import check_tokens
+from tracing.reader import TraceError, open_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "traces" / "examples" / "micro-preempt-cancel.mdt"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from model.checkpoint import init_checkpoint
+    folder = tmp_path_factory.mktemp("micro")
+    init_checkpoint("micro", 0, folder)
+    return folder
+
+
+@pytest.mark.parametrize("zos", [True, False])
+def test_a_preempting_run_re_executes_to_identical_tokens(checkpoint, tmp_path, zos):
+    trace = record_preemption(checkpoint, tmp_path / "run.mdt", enable_zos=zos)
+    result = check_tokens(open_trace(trace))
+    assert result.mismatch is None and result.same_platform
+    assert result.tokens >= 36 and result.steps > 10
+
+
+def test_cancellations_and_stale_tokens_re_execute_too(checkpoint, tmp_path):
+    trace = record_cancellation(checkpoint, tmp_path / "run.mdt")
+    stale = [e for e in open_trace(trace).events() if e.kind == "token" and not e.appended]
+    result = check_tokens(open_trace(trace))
+    assert stale and result.mismatch is None
+
+
+def test_a_changed_token_is_reported_at_its_step_and_request(checkpoint, tmp_path):
+    src = record_preemption(checkpoint, tmp_path / "run.mdt")
+    header, events = read_log(src)
+    i = find(events, "token", 30)
+    set_field(events[i], "token_id", field(events[i], "token_id") + 1)
+    result = check_tokens(open_trace(write_log(tmp_path / "edited.mdt", header, events)))
+    m = result.mismatch
+    assert (m.step, m.seq_id, m.expected) == (field(events[i], "step"), field(events[i], "seq_id"),
+                                            field(events[i], "token_id"))
+
+
+def test_other_weights_are_refused_in_one_sentence(checkpoint, tmp_path):
+    from model.checkpoint import init_checkpoint
+    trace = record_preemption(checkpoint, tmp_path / "run.mdt")
+    init_checkpoint("micro", 1, tmp_path / "other")
+    with pytest.raises(TraceError, match="not the recorded ones"):
+        check_tokens(open_trace(trace), model=str(tmp_path / "other"))
+
+
+def test_until_stops_early(checkpoint, tmp_path):
+    trace = record_preemption(checkpoint, tmp_path / "run.mdt")
+    assert check_tokens(open_trace(trace), until=5).steps == 6
+
+
+def test_the_command_on_the_example_trace(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "tui.cli", "check", str(EXAMPLE)], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "sampled tokens identical" in run.stdout
