@@ -73,3 +73,17 @@ def test_device_spans_come_from_cuda_events(ckpt):
     run(ckpt, prompts(4), SAMPLED[:4], tracer=tracer)
     spans = tracer.kinds("device_span")
     assert spans and all(0 < end - start < 10**10 for _, _, start, end in spans)
+
+
+def test_a_cuda_run_re_executes_to_identical_tokens(ckpt, tmp_path):
+    """mdi-trace check on the GPU that recorded the run: same shapes, same kernels, identical tokens."""
+    from tracing import Recorder
+    from tracing.execute import check_tokens
+    from tracing.reader import open_trace
+
+    path = tmp_path / "run.mdt"
+    llm = LLM(ckpt, device="cuda", tracer=Recorder(path), num_kv_blocks=5)
+    llm.generate([p[:200] for p in prompts(seed=3)], SAMPLED, progress=False)
+    llm.engine.shutdown()
+    result = check_tokens(open_trace(path), device="cuda")
+    assert result.same_platform and result.mismatch is None and result.tokens >= 100, result
