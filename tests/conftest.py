@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -17,3 +18,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """A `micro` checkpoint (seed 0) in a temporary folder, shared by the tracing tests."""
+    from model.checkpoint import init_checkpoint
+
+    folder = tmp_path_factory.mktemp("micro")
+    init_checkpoint("micro", 0, folder)
+    return folder

@@ -14,14 +14,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "traces" / "examples" / "micro-preempt-cancel.mdt"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from model.checkpoint import init_checkpoint
-    folder = tmp_path_factory.mktemp("micro")
-    init_checkpoint("micro", 0, folder)
-    return folder
-
-
 @pytest.mark.parametrize("zos", [True, False])
 def test_a_preempting_run_re_executes_to_identical_tokens(checkpoint, tmp_path, zos):
     trace = record_preemption(checkpoint, tmp_path / "run.mdt", enable_zos=zos)

@@ -25,14 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "traces" / "examples" / "micro-preempt-cancel.mdt"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from model.checkpoint import init_checkpoint
-    folder = tmp_path_factory.mktemp("micro")
-    init_checkpoint("micro", 0, folder)
-    return folder
-
-
 def record_cancellations(checkpoint: Path, path: Path, enable_zos: bool) -> Path:
     """Four 120-token prompts and a 200-token one (64-token chunks) on 5 KV blocks; cancels request 4 while
     partly prefilled, the first request preempted once it waits again, and request 1 at step 14."""

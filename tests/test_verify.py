@@ -27,14 +27,6 @@ def prompt(i: int, n: int) -> list[int]:
     return [(7 * i + 13 * k) % 1022 + 2 for k in range(n)]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from model.checkpoint import init_checkpoint
-    folder = tmp_path_factory.mktemp("micro")
-    init_checkpoint("micro", 0, folder)
-    return folder
-
-
 def make_llm(checkpoint: Path, path: Path, enable_zos: bool = True):
     from engine import LLM
     return LLM(str(checkpoint), tracer=Recorder(path), num_kv_blocks=4, max_num_batched_tokens=64,
