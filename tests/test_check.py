@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgpack
 import pytest
 from test_verify import field, find, read_log, record_cancellation, record_preemption, set_field, write_log
 
@@ -58,3 +59,65 @@ def test_the_command_on_the_example_trace(tmp_path):
                          cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert "sampled tokens identical" in run.stdout
+
+
+def test_a_mismatch_reports_the_logit_margin(checkpoint, tmp_path):
+    src = record_preemption(checkpoint, tmp_path / "run.mdt")
+    header, events = read_log(src)
+    i = find(events, "token", 30)
+    set_field(events[i], "token_id", field(events[i], "token_id") + 1)
+    m = check_tokens(open_trace(write_log(tmp_path / "edited.mdt", header, events))).mismatch
+    assert m.margin > 0 and "logit margin" in str(m)  # greedy: the re-executed token's logit lead
+
+
+def test_step_checks_one_step_after_re_executing_its_past(checkpoint, tmp_path):
+    src = record_preemption(checkpoint, tmp_path / "run.mdt")
+    header, events = read_log(src)
+    i = find(events, "token", 30)
+    set_field(events[i], "token_id", field(events[i], "token_id") + 1)
+    edited = open_trace(write_log(tmp_path / "edited.mdt", header, events))
+    step = field(events[i], "step")
+    assert check_tokens(edited, step=step).mismatch.step == step
+    assert check_tokens(open_trace(write_log(tmp_path / "e2.mdt", header, events)), step=step - 1).mismatch is None
+    with pytest.raises(TraceError, match="no step 9999"):
+        check_tokens(edited, step=9999)
+
+
+def test_on_another_platform_a_flip_within_the_tolerance_is_a_near_tie(checkpoint, tmp_path):
+    src = record_preemption(checkpoint, tmp_path / "run.mdt")
+    header, events = read_log(src)
+    h = msgpack.unpackb(header, raw=False)
+    h["device"] = "a B200"  # as if recorded elsewhere
+    i = find(events, "token", 30)
+    set_field(events[i], "token_id", field(events[i], "token_id") + 1)
+    edited = write_log(tmp_path / "edited.mdt", msgpack.packb(h, use_bin_type=True), events)
+    r = check_tokens(open_trace(edited))
+    assert not r.same_platform and "B200" in r.platform_note
+    # the edited token is the re-executed one plus 1: a near tie only if its logit is within 0.05 of the winner
+    if r.mismatch is None:
+        assert r.near_ties and r.near_ties[0].margin <= 0.05
+    else:
+        assert r.mismatch.margin > 0.05
+
+
+def test_against_reference_on_the_example_trace_finds_no_divergence():
+    from tracing.divergence import check_against_reference
+    r = check_against_reference(open_trace(EXAMPLE), until=40)
+    assert r.divergence is None and r.rows > 1000 and r.tokens > 100
+    assert r.max_diff <= r.tolerance
+
+
+def test_the_commands_exit_codes(checkpoint, tmp_path):
+    src = record_preemption(checkpoint, tmp_path / "run.mdt")
+    header, events = read_log(src)
+    i = find(events, "token", 30)
+    set_field(events[i], "token_id", field(events[i], "token_id") + 1)
+    edited = write_log(tmp_path / "edited.mdt", header, events)
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "tui.cli", *a], capture_output=True, text=True,  # noqa: E731
+                                    cwd=ROOT)
+    run = cli("check", str(edited), "--against", "reference", "--model", str(checkpoint))
+    assert run.returncode == 1 and "divergence: step" in run.stdout, run.stdout + run.stderr
+    run = cli("check", str(src), "--step", "3", "--model", str(checkpoint))
+    assert run.returncode == 0 and "step 3 re-executed" in run.stdout, run.stderr
+    run = cli("check", str(src), "--step", "3", "--until", "4")
+    assert run.returncode == 2 and "not allowed with" in run.stderr

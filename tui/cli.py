@@ -43,6 +43,26 @@ def _probability(text: str) -> float:
     return p
 
 
+def _step(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a step number (0 or more), not {text!r}")
+    return n
+
+
+def _check(a) -> int:
+    from tui.check import check
+    return check(a)
+
+
+def _diff(a) -> int:
+    from tui.check import diff
+    return diff(a)
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -108,9 +128,20 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--scheduler", action="store_true",
                      help="replay the scheduler alone, with no model: the recorded arrivals, cancellations and "
                           "sampled tokens in, every batch and resource digest compared")
-    chk.add_argument("--until", type=int, help="re-execute the steps up to and including step N")
+    chk.add_argument("--against", choices=["reference"],
+                     help="compare every row's logits and token with the plain reference model and localise the "
+                          "first divergence to a step, layer and module")
+    when = chk.add_mutually_exclusive_group()
+    when.add_argument("--until", type=_step, metavar="N", help="re-execute the steps up to and including step N")
+    when.add_argument("--step", type=_step, metavar="N",
+                      help="check step N alone, after re-executing the steps it depends on")
     chk.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     chk.add_argument("--model", help="the recorded checkpoint (default: the trace's model_source)")
+    dif = sub.add_parser("diff", help="the first step where two traces' decisions or tokens differ (exit 1 if any)")
+    dif.add_argument("a", metavar="A")
+    dif.add_argument("b", metavar="B")
+    dif.add_argument("--tokens", action="store_true",
+                     help="compare the sampled tokens only (runs that decide differently, e.g. ZOS on vs off)")
     return p
 
 
@@ -380,61 +411,6 @@ def _verify(a) -> int:
     return 1 if findings else 0
 
 
-def _check(a) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from tracing.reader import open_trace
-    from tracing.replay import replay_scheduler
-
-    trace = open_trace(a.trace)
-    if not a.scheduler:
-        return _check_tokens(a, trace)
-    r = replay_scheduler(trace)
-    if r.mismatch:
-        print(f"mismatch: {r.mismatch}")
-    t = Table(title=f"scheduler replay of {a.trace}", show_header=False, title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
-    for row in (("steps replayed", f"{r.steps} ({r.kinds['prefill']} prefill, {r.kinds['decode']} decode)"),
-                ("rows compared", f"{r.rows:,}"),
-                ("digests compared", f"{r.digests}"),
-                ("tokens fed", f"{r.tokens:,}"),
-                ("cancellations", f"{r.cancellations}"),
-                ("log", f"[red]{r.cut}[/]" if r.cut else "complete (footer present)"),
-                ("result", f"[red]first mismatch at step {r.mismatch.step}[/]" if r.mismatch
-                 else "[green]every step matches[/]")):
-        t.add_row(*row)
-    Console().print(t)
-    return 1 if r.mismatch else 0
-
-
-def _check_tokens(a, trace) -> int:
-    """Re-execute the recorded batches on the model and compare every sampled token."""
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from tracing.execute import check_tokens
-
-    if a.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise SystemExit("mdi-trace: --device cuda needs a CUDA GPU and none is visible; use --device cpu.")
-    console = Console()
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("re-executing", total=None)
-        r = check_tokens(trace, a.model, a.device, a.until, lambda i, n: bar.update(task, completed=i, total=n))
-    if r.platform_note:
-        console.print(f"[yellow]{r.platform_note}[/]", soft_wrap=True)
-    if r.cut:
-        console.print(f"[yellow]{r.cut}: re-executed what it holds[/]", soft_wrap=True)
-    if r.mismatch:
-        print(f"mismatch: {r.mismatch}")
-        return 1
-    console.print(f"[green]{r.steps} steps re-executed, {r.tokens:,} sampled tokens identical[/]")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = _parser().parse_args(argv)
@@ -446,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         return (ConfigError, TraceError, OSError) + ((checkpoint.CheckpointError,) if checkpoint else ())
 
     commands = {"checkpoint": _checkpoint_init, "generate": _generate, "info": _info, "export": _export,
-                "verify": _verify, "check": _check, "record": lambda a: _record(a, argv)}
+                "verify": _verify, "check": _check, "diff": _diff, "record": lambda a: _record(a, argv)}
     try:
         return commands[a.command](a)
     except user_errors() as e:

@@ -1,0 +1,127 @@
+"""`mdi-trace diff A B`: where two traces first part (ARCHITECTURE.md §6). Imports neither torch nor engine/.
+
+Three comparisons, each reporting its first difference with both sides:
+- arrivals: the requests (prompt tokens and sampling parameters), by request id;
+- decisions: step by step, the batch kind and rows (request, epoch, chunk, block table, state slot,
+  sampling) and the preemptions;
+- tokens: request by request, the tokens the engine appended, in position order; the first difference
+  is the one sampled earliest in A.
+Runs that should decide differently (ZOS on vs off) but sample the same tokens compare with `tokens_only`.
+Header differences that explain a diff (device, torch, engine configuration, weights) are listed first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tracing.reader import TraceFile
+from tracing.schema import BATCH_KINDS
+
+_HEADER_KEYS = ("checkpoint_digest", "device", "torch", "triton", "dtype", "engine", "seed", "intra_op_threads")
+
+
+@dataclass(slots=True)
+class DiffFinding:
+    what: str
+    a: str
+    b: str
+
+
+@dataclass
+class DiffResult:
+    steps: tuple[int, int] = (0, 0)
+    tokens: tuple[int, int] = (0, 0)
+    findings: list[DiffFinding] = field(default_factory=list)
+    header_notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Run:
+    """What diff compares of one trace, read in one pass."""
+    requests: dict = field(default_factory=dict)    # seq_id -> (prompt, temperature, seed, max_tokens, ...)
+    steps: list = field(default_factory=list)       # (step, kind, rows, preempted) in order
+    tokens: dict = field(default_factory=dict)      # seq_id -> {position: (token_id, step)}
+
+    @classmethod
+    def read(cls, trace: TraceFile) -> "_Run":
+        run = cls()
+        for e in trace.events():
+            if e.kind == "request_added":
+                run.requests[e.seq_id] = tuple(tuple(v) if isinstance(v, list) else v for v in e.fields[2:])
+            elif e.kind == "schedule":
+                rows = tuple((r[0], r[1], r[2], len(r[3]), tuple(r[4]), r[5], r[6]) for r in e.rows)
+                run.steps.append((e.step, BATCH_KINDS[e.fields[2]], rows, tuple(e.preempted)))  # fields[2]: the batch kind
+            elif e.kind == "token" and e.appended:
+                run.tokens.setdefault(e.seq_id, {})[e.position] = (e.token_id, e.step)
+        return run
+
+
+def _rows(rows, mark: int | None = None) -> str:
+    """`request@start+n [blocks] slot s` per row; the row at `mark` in bold."""
+    parts = []
+    for i, (seq, epoch, start, n, blocks, slot, _sample) in enumerate(rows[:6]):
+        text = f"{seq}.{epoch}@{start}+{n} {list(blocks)} slot {slot}"
+        parts.append(f"[bold]{text}[/]" if i == mark else text)
+    return ", ".join(parts) + (f", … ({len(rows)} rows)" if len(rows) > 6 else "")
+
+
+def _step(s) -> str:
+    step, kind, rows, preempted = s
+    return f"step {step} {kind}: {_rows(rows)}" + (f"; preempted {list(preempted)}" if preempted else "")
+
+
+def _first_decision(a: _Run, b: _Run) -> DiffFinding | None:
+    for sa, sb in zip(a.steps, b.steps):
+        if sa == sb:
+            continue
+        if sa[1] != sb[1] or len(sa[2]) != len(sb[2]):
+            return DiffFinding(f"decisions differ at step {sa[0]}", _step(sa), _step(sb))
+        i = next((i for i, (x, y) in enumerate(zip(sa[2], sb[2])) if x != y), None)
+        if i is None:
+            return DiffFinding(f"preemptions differ at step {sa[0]}", _step(sa), _step(sb))
+        return DiffFinding(f"decisions differ at step {sa[0]}, row {i}", f"step {sa[0]} {sa[1]}: {_rows(sa[2], i)}",
+                           f"step {sb[0]} {sb[1]}: {_rows(sb[2], i)}")
+    if len(a.steps) != len(b.steps):
+        n = min(len(a.steps), len(b.steps))
+        extra = a.steps[n] if len(a.steps) > n else b.steps[n]
+        side = "A" if len(a.steps) > n else "B"
+        return DiffFinding(f"only {side} has step {extra[0]}", _step(extra) if side == "A" else "(no more steps)",
+                           _step(extra) if side == "B" else "(no more steps)")
+    return None
+
+
+def _first_token(a: _Run, b: _Run) -> DiffFinding | None:
+    found = []  # (step in A, seq, position, A side, B side)
+    for seq in sorted(set(a.tokens) | set(b.tokens)):
+        ta, tb = a.tokens.get(seq, {}), b.tokens.get(seq, {})
+        for pos in sorted(set(ta) | set(tb)):
+            if ta.get(pos, (None,))[0] != tb.get(pos, (None,))[0]:
+                found.append((ta.get(pos, tb.get(pos))[1], seq, pos, ta.get(pos), tb.get(pos)))
+                break
+    if not found:
+        return None
+    _, seq, pos, x, y = min(found)
+    show = lambda t: f"token {t[0]} (step {t[1]})" if t else "no token"  # noqa: E731
+    return DiffFinding(f"tokens differ: request {seq}, position {pos}", show(x), show(y))
+
+
+def diff_traces(ta: TraceFile, tb: TraceFile, tokens_only: bool = False) -> DiffResult:
+    a, b = _Run.read(ta), _Run.read(tb)
+    result = DiffResult(steps=(len(a.steps), len(b.steps)),
+                        tokens=tuple(sum(len(t) for t in r.tokens.values()) for r in (a, b)))
+    for key in _HEADER_KEYS:
+        va, vb = ta.header.get(key), tb.header.get(key)
+        if va != vb:
+            result.header_notes.append(f"the headers differ in {key}: {va} vs {vb}")
+    for cut, side in ((ta.cut, "A"), (tb.cut, "B")):
+        if cut:
+            result.header_notes.append(f"{side}: {cut}; compared what it holds")
+    if a.requests != b.requests:
+        seq = next(s for s in sorted(set(a.requests) | set(b.requests)) if a.requests.get(s) != b.requests.get(s))
+        show = lambda r: f"prompt of {len(r[0])} tokens, temperature {r[1]}, seed {r[2]}" if r else "absent"  # noqa: E731
+        result.findings.append(DiffFinding(f"request {seq} arrives differently", show(a.requests.get(seq)),
+                                           show(b.requests.get(seq))))
+    if not tokens_only and (finding := _first_decision(a, b)):
+        result.findings.append(finding)
+    if finding := _first_token(a, b):
+        result.findings.append(finding)
+    return result

@@ -1,0 +1,362 @@
+"""Against the reference: `mdi-trace check TRACE --against reference` (ARCHITECTURE.md §6).
+
+Pass 1 finds the first divergence. Every request's tokens (its prompt and the tokens the engine appended,
+read from the trace) go once through the plain reference model (model/reference.py), which gives its
+logits and its discrete choices at every position. The recorded batches are re-executed in order on the
+paged model with every input token taken from the trace, so a token that flipped at a near tie never
+derails the rows after it. Each row's last-token logits are compared with the reference's at the same
+position by the rules of model/compare.py: a discrete choice that differs at a near tie, or an FP8
+window code one step away, is a near tie, and that request (at that epoch: a recomputation starts
+afresh) is compared no further; a choice that differs with a clear gap, or logits apart by more than the
+tolerance that no near tie explains, is the divergence. A sampled token is compared with the token the
+reference's logits give under the row's sampler: one that differs where the reference's own margin is
+above the tolerance is the divergence too, one within it a token near tie (the tokens are teacher-forced,
+so comparison goes on).
+
+Pass 2 localises the divergence. The run is re-executed again up to the divergent step, and that step
+runs with the divergent row's chunk teacher-forced: each layer's inputs (the stream entering the Engram
+block and the block, and the pre-mix) are replaced by the reference's, through forward pre-hooks. Within
+each layer the modules are compared in order (Engram, attention input, window, compressor, index keys,
+indexer top-k and candidates, sparse attention, attention output, MoE input, MoE routing, MoE experts,
+layer output); the window and the compressed entries are what the row reads from the engine's state
+(rings, tails and KV blocks, written by earlier steps), by position and by entry. The first module
+whose output differs beyond the per-module tolerance, or whose discrete choice differs, is named.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tracing.execute import load_recorded_model, margin, platform_note, recorded_batches, recorded_tokens
+from tracing.reader import Cut, TraceError, TraceFile
+
+# Per-module tolerance on the relative L2 of a row's output with teacher-forced inputs. Identical inputs
+# leave bf16 shape noise (an ulp, ~2^-8) plus what the engine's own earlier steps left in its state;
+# a broken module is off by O(1).
+MODULE_TOL_BF16, MODULE_TOL_FP32 = 2 ** -4, 1e-3
+
+
+@dataclass(slots=True)
+class ModuleDiff:
+    layer: int
+    module: str
+    max_diff: float    # max |engine - reference| over the compared values
+    rel: float         # relative L2
+    detail: str = ""
+
+    def __str__(self) -> str:
+        what = self.detail or f"max diff {self.max_diff:.4g}, relative L2 {self.rel:.3g}"
+        return f"layer {self.layer}, {self.module}: {what}"
+
+
+@dataclass(slots=True)
+class Divergence:
+    step: int
+    seq_id: int
+    epoch: int
+    position: int           # the row's last token: its logits predict position + 1
+    detail: str
+    max_diff: float         # logits, engine vs reference
+    module: ModuleDiff | None = None
+    module_note: str = ""   # why no module is named, when none is
+
+    def __str__(self) -> str:
+        return f"step {self.step}, request {self.seq_id} (epoch {self.epoch}), position {self.position}: {self.detail}"
+
+
+@dataclass(slots=True)
+class AgainstResult:
+    steps: int = 0
+    rows: int = 0                    # token positions whose logits were compared
+    tokens: int = 0                  # sampled tokens compared
+    max_diff: float = 0.0            # over the rows within tolerance
+    tolerance: float = 0.0
+    near_ties: list[tuple[int, int, object]] = field(default_factory=list)  # (step, seq_id, NearTie or token note)
+    divergence: Divergence | None = None
+    platform_note: str = ""
+    cut: Cut | None = None
+
+
+def request_tokens(trace: TraceFile) -> dict[int, list[int]]:
+    """Each request's prompt followed by the tokens the engine appended, in position order."""
+    prompts, outputs = {}, {}
+    for e in trace.events():
+        if e.kind == "request_added":
+            prompts[e.seq_id] = list(e.prompt_token_ids)
+        elif e.kind == "token" and e.appended:
+            outputs.setdefault(e.seq_id, {})[e.position] = e.token_id
+    seqs = {}
+    for s, prompt in prompts.items():
+        out = outputs.get(s, {})
+        expected = list(range(len(prompt), len(prompt) + len(out)))
+        if sorted(out) != expected:
+            raise TraceError(f"request {s}'s appended tokens are not at consecutive positions after its prompt, "
+                             f"so its token list cannot be rebuilt.")
+        seqs[s] = prompt + [out[p] for p in expected]
+    return seqs
+
+
+class _Reference:
+    """One request through the reference model: logits and discrete choices at every position."""
+
+    def __init__(self, weights, tokens: list[int], capture=None):
+        from model.compare import Choices
+        from model.reference import ReferenceModel
+
+        self.tokens, self.choices = tokens, Choices(weights.args)
+        hooks = self.choices.hooks(weights)
+        try:
+            self.logits = ReferenceModel(weights).forward(tokens, capture or self.choices.capture).cpu()
+        finally:
+            for h in hooks:
+                h.remove()
+
+
+class _Replay:
+    """The paged model re-executing recorded batches, every input token from the request's token list."""
+
+    def __init__(self, weights, engine: dict, seqs: dict[int, list[int]]):
+        from model.paged import PagedModel
+
+        self.model, self.seqs = PagedModel(weights, engine["num_kv_blocks"], engine["num_state_slots"]), seqs
+        self.trash, self.device = engine["num_kv_blocks"], weights.head.weight.device
+
+    def run(self, batch, capture=None) -> torch.Tensor:
+        """Logits [B, S, vocab] of every token of the batch, on the host."""
+        from model.paged import ForwardBatch
+
+        rows, B = batch.rows, len(batch.rows)
+        S, nb = max(r.num_tokens for r in rows), max(len(r.block_table) for r in rows)
+        ids = torch.zeros(B, S, dtype=torch.long)
+        tables = torch.full((B, nb), self.trash, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens = self.seqs[r.seq_id][r.start:r.start + r.num_tokens]
+            if len(tokens) < r.num_tokens:
+                raise TraceError(f"step {batch.step}: request {r.seq_id}'s row reaches position "
+                                 f"{r.start + r.num_tokens - 1}, past the tokens the trace holds for it.")
+            ids[i, :r.num_tokens] = torch.tensor(tokens)
+            tables[i, :len(r.block_table)] = torch.tensor(r.block_table)
+        col = lambda f: torch.tensor([f(r) for r in rows], device=self.device)  # noqa: E731
+        fb = ForwardBatch(ids.to(self.device), col(lambda r: r.start), col(lambda r: r.num_tokens),
+                          tables.to(self.device), col(lambda r: r.state_slot),
+                          max(r.start + r.num_tokens for r in rows),
+                          all(r.num_tokens == 1 and r.start > 0 for r in rows))
+        return self.model.forward(fb, all_logits=True, capture=capture).float().cpu()
+
+
+@dataclass(slots=True)
+class _Track:
+    """One request at one epoch (a recomputation after preemption starts a new track)."""
+    flip: object = None      # the first FP8 window rounding flip seen in its rows
+    stopped: object = None   # the near tie after which it is compared no further
+
+
+def check_against_reference(trace: TraceFile, model: str | None = None, device: str = "cpu",
+                            until: int | None = None, on_step=None, localise: bool = True) -> AgainstResult:
+    """Pass 1 (and, on a divergence, pass 2) of the module docstring."""
+    from kernels.sampling import sample
+    from model.compare import Choices, explain, rounding_flip, tolerance
+
+    weights = load_recorded_model(trace, model, device)
+    seqs, recorded = request_tokens(trace), recorded_tokens(trace)
+    batches = [b for b in recorded_batches(trace, until) if b.rows]
+    last_step = {r.seq_id: b.step for b in batches for r in b.rows}
+    tol = tolerance(weights)
+    result = AgainstResult(tolerance=tol, platform_note=platform_note(trace, weights), cut=trace.cut)
+    replay, refs, tracks = _Replay(weights, trace.header["engine"], seqs), {}, {}
+    for i, batch in enumerate(batches):
+        if on_step:
+            on_step(i, len(batches))
+        choices = Choices(weights.args)
+        hooks = choices.hooks(weights)
+        try:
+            logits = replay.run(batch, choices.capture)
+        finally:
+            for h in hooks:
+                h.remove()
+        result.steps += 1
+        S = max(r.num_tokens for r in batch.rows)
+        for b, row in enumerate(batch.rows):
+            track = tracks.setdefault((row.seq_id, row.epoch), _Track())
+            if track.stopped is not None:
+                continue
+            if row.seq_id not in refs:
+                refs[row.seq_id] = _Reference(weights, seqs[row.seq_id])
+            ref = refs[row.seq_id]
+            for j in range(row.num_tokens):  # every token of the chunk, in causal order
+                p, got_row = row.start + j, b * S + j
+                if track.flip is None:  # the first FP8 window flip so far
+                    track.flip = rounding_flip(ref.choices, p, choices, got_row)
+                result.rows += 1
+                why = explain(ref.choices, p, choices, got_row)
+                diff = float((logits[b, j] - ref.logits[p]).abs().max())
+                if why is None and diff > tol and track.flip is not None:
+                    why = track.flip
+                if why is not None and not isinstance(why, str):
+                    track.stopped = why
+                    result.near_ties.append((batch.step, row.seq_id, why))
+                    break
+                if why is not None or diff > tol:
+                    detail = why or f"logits differ from the reference's by {diff:.4g} > {tol}, and no near tie explains it"
+                    result.divergence = Divergence(batch.step, row.seq_id, row.epoch, p, detail, diff)
+                    break
+                result.max_diff = max(result.max_diff, diff)
+            if result.divergence:
+                break
+            if track.stopped is not None:
+                continue
+            want = recorded.get((batch.step, row.seq_id, row.epoch)) if row.sample else None
+            if want is None:
+                continue
+            result.tokens += 1
+            p = row.start + row.num_tokens - 1
+            ref_token = int(sample(ref.logits[p][None], torch.tensor([row.temperature], dtype=torch.float32),
+                                   torch.tensor([row.seed]), torch.tensor([row.output_position]))[0])
+            if ref_token != want[1]:
+                m = margin(ref.logits[p], row, ref_token, want[1])
+                note = (f"token at position {want[0]}: recorded {want[1]}, the reference samples {ref_token} "
+                        f"with margin {m:.4g}")
+                if m > tol:
+                    result.divergence = Divergence(batch.step, row.seq_id, row.epoch, p, note, 0.0)
+                    break
+                result.near_ties.append((batch.step, row.seq_id, f"{note} (within {tol}: a token near tie)"))
+        if result.divergence:
+            break
+        for s in [s for s, last in last_step.items() if last == batch.step]:
+            refs.pop(s, None)  # its last row is done: free its reference activations
+    if result.divergence and localise:
+        _localise(weights, trace.header["engine"], seqs, batches, result.divergence)
+    return result
+
+
+# ---- pass 2 ------------------------------------------------------------------------------------------------
+
+class _Tap:
+    """Module outputs of one forward for one chunk of rows, and teacher forcing of that chunk's inputs.
+
+    `rows(t)` picks the chunk from a [B, S, ...] tensor; with `force` (the reference tap), every layer's
+    inputs at those rows are replaced by the reference's."""
+
+    OUTPUTS = ("engram", "window_kv", "sparse_attn", "attn_out", "block", "compressed_kv", "index_keys")
+
+    def __init__(self, weights, rows, force: "_Tap | None" = None):
+        from model.compare import Choices
+
+        self.rows, self.force = rows, force
+        self.out: dict[tuple[int, str], torch.Tensor] = {}
+        self.choices = Choices(weights.args)
+        self.hooks = self.choices.hooks(weights)
+        for block in weights.layers:
+            L = block.layer
+            if block.engram is not None:
+                self.hooks.append(block.engram.register_forward_pre_hook(self._inputs(L, "engram_in", 1)))
+            self.hooks.append(block.register_forward_pre_hook(self._inputs(L, "block_in", 2)))
+            self.hooks.append(block.attn_norm.register_forward_pre_hook(self._keep(L, "attn_in")))
+            self.hooks.append(block.ffn_norm.register_forward_pre_hook(self._keep(L, "ffn_in")))
+            self.hooks.append(block.ffn.register_forward_hook(lambda m, i, o, L=L: self._put(L, "ffn_out", o)))
+
+    def _put(self, layer: int, name: str, t: torch.Tensor) -> None:
+        self.out[(layer, name)] = self.rows(t).float().cpu()
+
+    def _keep(self, layer: int, name: str):
+        return lambda module, args: self._put(layer, name, args[0])
+
+    def _inputs(self, layer: int, name: str, n: int):
+        """Record (or, when forcing, replace) the first n positional inputs at the chunk's rows."""
+        def hook(module, args):
+            if self.force is None:
+                for k in range(n):
+                    self.out[(layer, f"{name}{k}")] = self.rows(args[k]).clone()
+                return None
+            args = list(args)
+            for k in range(n):
+                args[k] = args[k].clone()
+                self.rows(args[k])[...] = self.force.out[(layer, f"{name}{k}")].to(args[k].device)
+            return tuple(args)
+        return hook
+
+    def capture(self, layer: int, name: str, t: torch.Tensor) -> None:
+        self.choices.capture(layer, name, t)
+        if name in ("compressed_kv", "index_keys"):
+            self.out[(layer, name)] = t[0].float().cpu()  # a whole sequence's entries (the reference only)
+        elif name in self.OUTPUTS:
+            self._put(layer, name, t)
+        if name == "window_kv" and self.force is None:
+            self.out[(layer, "window_all")] = t[0].float().cpu()  # every position (the reference's window)
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    d = (got.float() - ref.float())
+    return float(d.abs().max()) if d.numel() else 0.0, float(d.norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def _localise(weights, engine: dict, seqs, batches, div: Divergence) -> None:
+    """Pass 2: re-execute up to the divergent step, run it teacher-forced, name the first module that differs."""
+    from model.compare import CHOICES, explain_choice
+
+    args = weights.args
+    replay = _Replay(weights, engine, seqs)
+    k = next(i for i, b in enumerate(batches) if b.step == div.step)
+    for batch in batches[:k]:
+        replay.run(batch)
+    batch = batches[k]
+    b = next(i for i, r in enumerate(batch.rows) if r.seq_id == div.seq_id)
+    row, S = batch.rows[b], max(r.num_tokens for r in batch.rows)
+    start, p, end = row.start, div.position, row.start + row.num_tokens
+    ring = replay.model.ring[:, row.state_slot].float().cpu()  # [L, W, D] before the step writes it
+    ref = _Tap(weights, lambda t: t[0, start:end])  # the whole chunk, so that all of it can be teacher-forced
+    ref_run = _Reference(weights, seqs[div.seq_id][:end], ref.capture)
+    ref.remove()
+    got = _Tap(weights, lambda t: t[b, :row.num_tokens], force=ref)
+    try:
+        replay.run(batch, got.capture)
+    finally:
+        got.remove()
+    tol = MODULE_TOL_FP32 if weights.embed.weight.dtype == torch.float32 else MODULE_TOL_BF16
+    last = p - start  # the divergent token's index in the chunk (and in both taps)
+    W = args.window_size
+    for block in weights.layers:
+        L, r = block.layer, args.compress_ratios[block.layer]
+        stages = []
+        if block.engram is not None:
+            stages.append(("Engram", got.out[(L, "engram")][last], ref.out[(L, "engram")][last]))
+        stages.append(("attention input (hyper-connection pre-mix)", got.out[(L, "attn_in")][last],
+                       ref.out[(L, "attn_in")][last]))
+        window = range(max(0, p - W + 1), p + 1)
+        got_window = torch.stack([got.out[(L, "window_kv")][q - start] if q >= start else ring[L, q % W]
+                                  for q in window])
+        stages.append(("window", got_window, ref.out[(L, "window_all")][window.start:p + 1]))
+        if r and args.is_kv_source(L):
+            n = (p + 1) // r
+            for pool, name, module in zip(replay.model.entries[L], ("compressed_kv", "index_keys"),
+                                          ("compressor", "index keys")):
+                stages.append((module, replay.model.stream(pool, torch.tensor([row.block_table], device=pool.device),
+                                                           n)[0].float().cpu(), ref.out[(L, name)][:n]))
+        stages += [(name, None, None) for name, _ in CHOICES[:2]]
+        stages += [("sparse attention", got.out[(L, "sparse_attn")][last], ref.out[(L, "sparse_attn")][last]),
+                   ("attention output", got.out[(L, "attn_out")][last], ref.out[(L, "attn_out")][last]),
+                   ("MoE input (hyper-connection post and pre-mix)", got.out[(L, "ffn_in")][last],
+                    ref.out[(L, "ffn_in")][last]),
+                   ("experts", None, None),
+                   ("MoE experts", got.out[(L, "ffn_out")][last], ref.out[(L, "ffn_out")][last]),
+                   ("layer output (hyper-connection post)", got.out[(L, "block")][last], ref.out[(L, "block")][last])]
+        for module, a, c in stages:
+            if a is None:  # a discrete choice
+                why = explain_choice(ref.choices, p, got.choices, b * S + last, L, module)
+                if why is not None:
+                    label = {"candidates": "candidate blocks", "topk": "indexer top-k", "experts": "MoE routing"}[module]
+                    div.module = ModuleDiff(L, label, 0.0, 0.0, str(why))
+                    return
+                continue
+            max_diff, rel = _rel(a, c)
+            if rel > tol:
+                div.module = ModuleDiff(L, module, max_diff, rel)
+                return
+    div.module_note = (f"with teacher-forced inputs no module differs by more than {tol:.3g} relative L2; the "
+                       f"difference builds up across layers or lies in the head (reference logits at this row "
+                       f"computed over {len(ref_run.tokens)} tokens)")
