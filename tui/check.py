@@ -96,6 +96,8 @@ def _against(a, trace) -> int:
             ("tokens compared", f"{r.tokens:,}"),
             ("near ties", f"{len(r.near_ties)}" + "".join(f"\nstep {s}, request {q}: {t}" for s, q, t in r.near_ties[:8])
              + ("\n…" if len(r.near_ties) > 8 else "")),
+            ("shape noise", f"{r.noise:,} positions over the tolerance (max {r.noise_max:.3g}) where, with teacher-forced "
+                            "inputs, no module differs" if r.noise else "none"),
             ("log", _log(r.cut))]
     if d:
         rows += [("[red]divergence[/]", str(d)),
