@@ -3,6 +3,9 @@
     from engine import LLM, SamplingParams
     llm = LLM("tiny-68m")                       # the embedded checkpoint, created on first use
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+
+Under torchrun (or `mdi-trace record --nproc N`) the same script runs EP x DP (ARCHITECTURE.md §8): each rank
+loads its shard, serves every world_size-th prompt, and `generate` returns every prompt's output on every rank.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from engine.scheduler import SchedulerConfig
 from engine.sequence import SamplingParams
 from engine.tokenizer import load_tokenizer
 from model.checkpoint import load_model
+from model.parallel import Shard, gather_objects, setup
 
 
 @dataclass(slots=True)
@@ -30,10 +34,12 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str = "tiny-68m", device: str = "cpu", enable_zos: bool = True,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, num_kv_blocks: int | None = None,
-                 num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int | None = 1):
+                 num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int | None = 1,
+                 shard: Shard | None = None):
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' needs a CUDA GPU and none is visible; use device='cpu'.")
-        weights, self.digest = load_model(model, device)
+        self.shard = shard or setup(device)  # from a torchrun-style environment; one process without one
+        weights, self.digest = load_model(model, device, self.shard)
         blocks_per_seq = -(-weights.args.max_seq_len // 128)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                  num_kv_blocks or max_num_seqs * blocks_per_seq, num_state_slots or max_num_seqs)
@@ -51,14 +57,20 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params.")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        order = [self.engine.add_request(t, p or SamplingParams()) for t, p in zip(ids, params)]
+        for t, p in zip(ids, params):  # every rank checks every request, so that they refuse it together
+            self.engine.check_request(t, p)
+        order = [self.engine.add_request(ids[i], params[i]) for i in self.shard.requests(len(prompts))]
         done = {}
-        with Progress(transient=True, disable=not progress) as bar:
+        with Progress(transient=True, disable=not progress or self.shard.rank > 0) as bar:
             task = bar.add_task("generating", total=len(order))
             while self.engine.has_unfinished():
                 for seq in self.engine.step():
                     done[seq.seq_id] = seq
                     bar.advance(task)
-        return [RequestOutput(i, done[i].token_ids[:done[i].num_prompt_tokens], done[i].output_token_ids,
+        outs = [RequestOutput(i, done[i].token_ids[:done[i].num_prompt_tokens], done[i].output_token_ids,
                               self.tokenizer.decode(done[i].output_token_ids), done[i].finish_reason)
                 for i in order]
+        if self.shard.world_size == 1:
+            return outs
+        by_rank = gather_objects(outs, self.shard)  # prompt i was served by rank i % world_size
+        return [by_rank[i % self.shard.world_size][i // self.shard.world_size] for i in range(len(prompts))]

@@ -7,6 +7,10 @@ scheduled and enqueued before step N-1's result is read:
 
 With ZOS off the same step is schedule(N), execute(N), process(N). Cancellations requested between
 steps are applied at the start of the next step, before it is scheduled.
+
+Under EP x DP (ARCHITECTURE.md §8, model/parallel.py) each rank runs its own engine on its own requests
+(ids rank, rank + world_size, ...), and the ranks step in lockstep: `has_unfinished()` is true on every rank
+while any rank has work, and a rank with nothing scheduled runs the forward's collectives with zero rows.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 from engine.tracer import NullTracer
 from kernels.sampling import mix_seed
+from model.parallel import any_rank, idle_forward, run_id
 from model.transformer import Transformer
 
 
@@ -32,9 +37,12 @@ class LLMEngine:
         self.max_seq_len = weights.args.max_seq_len
         self.scheduler = Scheduler(config, self.tracer)
         self.runner = ModelRunner(weights, config.num_kv_blocks, config.num_state_slots, cpu_threads)
+        self.shard = weights.shard  # this rank's place under EP x DP; one process by default
+        if self.shard.world_size > 1:
+            self.runner.use_cuda_graphs = False  # the sharded layers read every rank's row count on the host
         self.in_flight: StepHandle | None = None  # under ZOS: the step whose result is not processed yet
         self.pending_aborts: list[int] = []
-        self.next_id = 0
+        self.next_id = self.shard.rank  # request ids rank, rank + world_size, ...: unique across ranks
         self.tracer.start({**self._header(weights, checkpoint_digest), "model_source": model_source})
 
     def _header(self, weights: Transformer, checkpoint_digest: str) -> dict:
@@ -51,9 +59,19 @@ class LLMEngine:
                 "torch": torch.__version__, "triton": triton_version,
                 "dtype": str(weights.embed.weight.dtype).removeprefix("torch."), "seed": self.seed,
                 "intra_op_threads": torch.get_num_threads(),  # CPU kernels' bits depend on it
-                "rank": 0, "world_size": 1}
+                "rank": self.shard.rank, "world_size": self.shard.world_size, "run_id": run_id(self.shard)}
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
+        params = self.check_request(prompt_token_ids, params)
+        seq_id, self.next_id = self.next_id, self.next_id + self.shard.world_size
+        seed = params.seed if params.seed is not None else mix_seed(self.seed, seq_id)
+        self.scheduler.add(Sequence(seq_id, prompt_token_ids, params, seed))
+        self.tracer.request_added(seq_id, list(prompt_token_ids), params, seed)
+        return seq_id
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> SamplingParams:
+        """The request's checked params; ValueError in one sentence when it cannot run. Ranks check every
+        request of a run, not only their own, so that all of them refuse it together."""
         params = (params or SamplingParams()).check()
         total = len(prompt_token_ids) + params.max_tokens
         if not prompt_token_ids:
@@ -64,18 +82,15 @@ class LLMEngine:
         if -(-total // 128) > self.config.num_kv_blocks:
             raise ValueError(f"a request of {total} tokens needs {-(-total // 128)} KV blocks, more than the "
                              f"{self.config.num_kv_blocks} in the pool; raise num_kv_blocks.")
-        seq_id, self.next_id = self.next_id, self.next_id + 1
-        seed = params.seed if params.seed is not None else mix_seed(self.seed, seq_id)
-        self.scheduler.add(Sequence(seq_id, prompt_token_ids, params, seed))
-        self.tracer.request_added(seq_id, list(prompt_token_ids), params, seed)
-        return seq_id
+        return params
 
     def abort(self, request_id: int) -> None:
         """Cancel a request; it finishes with reason "abort" at the start of the next step."""
         self.pending_aborts.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        """Work left here, or under EP x DP on any rank (every rank keeps stepping until all are done)."""
+        return any_rank(self.scheduler.has_unfinished() or self.in_flight is not None, self.shard)
 
     def step(self) -> list[Sequence]:
         """One step of the contract. Returns the sequences that finished in it (aborted ones included)."""
@@ -85,6 +100,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter_ns()
         handle = self.runner.execute(batch) if batch is not None and batch.rows else None
+        if handle is None and self.shard.world_size > 1:
+            self._idle_forward()
         t2 = time.perf_counter_ns()
         if batch is not None:
             self.tracer.cpu_span(batch.step, "schedule", t0, t1)
@@ -100,6 +117,16 @@ class LLMEngine:
                                "state slots that are free.")
         self.tracer.step_end(batch.step if batch is not None else done.batch.step if done else -1)
         return finished
+
+    def _idle_forward(self) -> None:
+        """EP x DP, nothing scheduled here: the step's collectives with zero rows, queued on the device
+        after the steps before it, so that the ranks with rows are not left waiting."""
+        runner, weights = self.runner, self.runner.model.weights
+        if runner.device.type == "cuda":
+            with torch.cuda.stream(runner.stream):
+                idle_forward(weights)
+        else:
+            runner.worker.submit(idle_forward, weights)
 
     def process(self, handle: StepHandle) -> list[Sequence]:
         tokens = handle.wait()

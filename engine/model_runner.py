@@ -9,6 +9,14 @@ place that reads a device result.
 The device is a CUDA stream with CUDA events around each step, or on CPU one worker thread that runs
 the steps in FIFO order, so the same contract and code paths run in CI. The CPU overlap is partial:
 the scheduler's Python and the forward's many small ops share the GIL (ARCHITECTURE.md §3).
+
+On CUDA a decode step replays a CUDA graph (DeepInfer's and vLLM's decode graphs): the forward has fixed
+shapes and no host sync (model/paged.py), so one capture per (padded batch size, context bucket) replays
+every later step of that shape, and the step costs the host two input copies and one replay instead
+of thousands of kernel launches. Padding rows write only to the trash slot and trash block. A wider
+context only adds compressed entries no row can see, so the index lists, hence the tokens, are those of
+the unpadded step; the GEMM shapes differ, so bits may differ within ARCHITECTURE.md §6 (the replay of a
+recorded run uses the same runner, hence the same shapes and bits).
 """
 from __future__ import annotations
 
@@ -18,28 +26,35 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.scheduler import ScheduledBatch
 from kernels.sampling import sample
-from model.paged import ForwardBatch, PagedModel
+from model.paged import BLOCK_SIZE, ForwardBatch, PagedModel
 from model.transformer import Transformer
+
+
+# Per-row int64 columns of a step's packed host input, then the row's S input ids, then its block table.
+_COLUMNS = ("remap", "start", "num_tokens", "slot", "sample", "seed", "position")
+_NCOL = len(_COLUMNS)
 
 
 @dataclass(slots=True)
 class _HostInputs:
-    ids: torch.Tensor            # [B, S] int64, 0 where a token is padding or in flight
-    remap: torch.Tensor          # [B] bool: the row's input token is in flight (take next_tokens[slot])
-    start: torch.Tensor          # [B]
-    num_tokens: torch.Tensor     # [B]
-    block_tables: torch.Tensor   # [B, nb], padded with the trash block
-    slots: torch.Tensor          # [B]
-    sample: torch.Tensor         # [B] bool
+    """A step's inputs in two host tensors (pinned on CUDA: two asynchronous copies per step).
+
+    ints [B, 7 + S + nb] int64, one row per batch row: the _COLUMNS (remap: the input token is in flight,
+    take next_tokens[slot]; sample; seed; position: the output position the row draws), then the S input
+    ids (0 where padding or in flight), then the block table padded with the trash block. Rows past
+    `num_rows` pad a CUDA-graph batch: one token into the trash slot and trash blocks, never sampled."""
+    ints: torch.Tensor
     temperatures: torch.Tensor   # [B] fp32
-    seeds: torch.Tensor          # [B] int64
-    positions: torch.Tensor      # [B] int64: the output position each row draws
-    context_len: int
+    num_rows: int                # the batch's real rows (the first num_rows)
+    S: int                       # tokens per row (padded)
+    context_len: int             # >= start + num_tokens of every row (bucketed for a graph)
     decode: bool
+    graph: bool                  # replay a captured decode graph (padded rows, bucketed context)
 
 
 def device_name(device: torch.device) -> str:
@@ -82,16 +97,52 @@ class _CudaClock:
         return self.ref_ns + int(self.ref.elapsed_time(event) * 1e6)
 
 
+class _DecodeGraph:
+    """One decode step captured as a CUDA graph for a padded batch size and a context bucket: remap,
+    forward, sampling and the next-token write-back replay from static inputs (`ints`, `temperatures`)."""
+
+    def __init__(self, runner: "ModelRunner", rows: int, blocks: int, context_len: int):
+        dev = runner.device
+        # all-padding rows (one token at position 1 into the trash slot and trash blocks) for the warm-up
+        self.ints = torch.zeros(rows, _NCOL + 1 + blocks, dtype=torch.long, device=dev)
+        self.ints[:, 1:3] = 1  # start, num_tokens
+        self.ints[:, 3] = runner.trash_slot
+        self.ints[:, _NCOL + 1:] = runner.trash_block
+        self.temperatures = torch.zeros(rows, dtype=torch.float32, device=dev)
+        step = lambda: runner.device_step(self.ints, self.temperatures, 1, context_len, True)  # noqa: E731
+        with torch.cuda.stream(runner.stream):
+            step()  # warm-up: kernel compilation, library handles and caches stay out of the capture
+        self.graph = torch.cuda.CUDAGraph()
+        debug = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)  # capturing synchronises once; the replays never do
+        try:
+            with torch.cuda.graph(self.graph, pool=runner.graph_pool, stream=runner.stream):
+                self.tokens = step()  # [rows]: the static output
+        finally:
+            torch.cuda.set_sync_debug_mode(debug)
+
+
 class ModelRunner:
+    """Runs ScheduledBatches on the device. On CUDA a decode step replays a captured graph
+    (`use_cuda_graphs`): its batch is padded to a size of GRAPH_BATCH_SIZES and its context to a
+    multiple of GRAPH_CONTEXT_STEP, so a few graphs serve every step (prefill runs eagerly)."""
+
+    use_cuda_graphs = True
+    GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+    GRAPH_CONTEXT_STEP = 256  # tokens; a wider bucket only adds entries no row can see (masked, same lists)
+    MAX_GRAPHS = 64
+
     def __init__(self, weights: Transformer, num_kv_blocks: int, num_state_slots: int,
                  cpu_threads: int | None = None):
         self.device = weights.head.weight.device
         self.model = PagedModel(weights, num_kv_blocks, num_state_slots)
         self.trash_block, self.trash_slot = num_kv_blocks, num_state_slots
         self.next_tokens = torch.zeros(num_state_slots + 1, dtype=torch.long, device=self.device)
+        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}  # (rows, context bucket) -> graph
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
             self.clock = _CudaClock(self.stream)
+            self.graph_pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every graph
         else:
             if cpu_threads:  # intra-op threads (process-wide in torch); benchmarks/bench_zos_cpu.py measures it
                 torch.set_num_threads(cpu_threads)
@@ -103,39 +154,75 @@ class ModelRunner:
             return StepHandle(batch, self._launch_cuda(inputs))
         return StepHandle(batch, self.worker.submit(self._run_cpu, inputs))
 
+    def graph_shape(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+        """(padded rows, context bucket) of a decode step that replays a graph, or None (eager)."""
+        rows = batch.rows
+        if not (self.device.type == "cuda" and self.use_cuda_graphs and batch.kind == "decode"
+                and all(r.num_tokens == 1 and r.start > 0 for r in rows)):
+            return None
+        size = next((b for b in self.GRAPH_BATCH_SIZES if b >= len(rows)), None)
+        step = self.GRAPH_CONTEXT_STEP
+        context = -(-max(r.start + 1 for r in rows) // step) * step
+        if size is None or ((size, context) not in self.graphs and len(self.graphs) >= self.MAX_GRAPHS):
+            return None
+        return size, context
+
     def prepare(self, batch: ScheduledBatch) -> _HostInputs:
-        """Host tensors of the step (pinned on CUDA, so the copies are asynchronous)."""
-        rows, B = batch.rows, len(batch.rows)
+        """The packed host inputs of a step (see _HostInputs), padded for a graph when one will run."""
+        rows, shape = batch.rows, self.graph_shape(batch)
         S = max(r.num_tokens for r in rows)
-        nb = max(len(r.block_table) for r in rows)
-        ids = torch.zeros(B, S, dtype=torch.long)
-        tables = torch.full((B, nb), self.trash_block, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :r.num_tokens] = torch.tensor([t or 0 for t in r.token_ids])
-            tables[i, :len(r.block_table)] = torch.tensor(r.block_table)
-        col = lambda f, dtype=torch.long: torch.tensor([f(r) for r in rows], dtype=dtype)  # noqa: E731
-        inputs = _HostInputs(
-            ids, col(lambda r: r.token_ids[0] is None, torch.bool), col(lambda r: r.start),
-            col(lambda r: r.num_tokens), tables, col(lambda r: r.state_slot), col(lambda r: r.sample, torch.bool),
-            col(lambda r: r.temperature, torch.float32), col(lambda r: r.seed), col(lambda r: r.output_position),
-            max(r.start + r.num_tokens for r in rows),
-            all(r.num_tokens == 1 and r.start > 0 for r in rows))
+        if shape is None:
+            size, context = len(rows), max(r.start + r.num_tokens for r in rows)
+            nb = max(len(r.block_table) for r in rows)
+        else:
+            size, context = shape
+            nb = context // BLOCK_SIZE
+        trash = [self.trash_block] * nb
+        table = []
+        for r in rows:  # one Python list per row, one numpy conversion: ~1 µs a row
+            tokens = r.token_ids
+            ids = [tokens[0] or 0] if S == 1 else [t or 0 for t in tokens] + [0] * (S - len(tokens))
+            table.append([tokens[0] is None, r.start, len(tokens), r.state_slot, r.sample, r.seed,
+                          r.output_position, *ids, *(r.block_table + trash)[:nb]])
+        padding = [0, 1, 1, self.trash_slot, 0, 0, 0] + [0] * S + trash
+        table += [padding] * (size - len(rows))
+        ints = torch.from_numpy(np.array(table, dtype=np.int64))
+        temperatures = torch.tensor([r.temperature for r in rows] + [0.0] * (size - len(rows)), dtype=torch.float32)
         if self.device.type == "cuda":
-            for f in _TENSOR_FIELDS:
-                setattr(inputs, f, getattr(inputs, f).pin_memory())
-        return inputs
+            ints, temperatures = ints.pin_memory(), temperatures.pin_memory()
+        decode = all(r.num_tokens == 1 and r.start > 0 for r in rows)
+        return _HostInputs(ints, temperatures, len(rows), S, context, decode, shape is not None)
+
+    def device_step(self, ints: torch.Tensor, temperatures: torch.Tensor, S: int, context_len: int,
+                    decode: bool) -> torch.Tensor:
+        """Device work of one step from the packed inputs on the device: remap, forward, sample, write
+        back. Returns the sampled tokens [B]. Fixed shapes for fixed (B, S, nb, context_len): capturable."""
+        remap, start, num_tokens, slots, sampled, seeds, positions = ints[:, :_NCOL].t().contiguous()  # [B] each
+        ids = ints[:, _NCOL:_NCOL + S].contiguous()  # [B, S]
+        tables = ints[:, _NCOL + S:].contiguous()  # [B, nb]
+        ids[:, 0] = torch.where(remap.bool(), self.next_tokens[slots], ids[:, 0])  # in-flight inputs
+        logits = self.model.forward(ForwardBatch(ids, start, num_tokens, tables, slots, context_len, decode))
+        tokens = sample(logits, temperatures, seeds, positions)
+        self.next_tokens[torch.where(sampled.bool(), slots, self.trash_slot)] = tokens
+        return tokens
 
     def forward(self, inputs: _HostInputs) -> torch.Tensor:
-        """Device work of one step: remap, forward, sample, write back. Returns sampled tokens [B]."""
-        dev, kw = self.device, dict(non_blocking=True)
-        d = {f: getattr(inputs, f).to(dev, **kw) for f in _TENSOR_FIELDS}
-        ids = d["ids"]
-        ids[:, 0] = torch.where(d["remap"], self.next_tokens[d["slots"]], ids[:, 0])  # in-flight inputs
-        logits = self.model.forward(ForwardBatch(ids, d["start"], d["num_tokens"], d["block_tables"], d["slots"],
-                                                 inputs.context_len, inputs.decode))
-        tokens = sample(logits, d["temperatures"], d["seeds"], d["positions"])
-        self.next_tokens[torch.where(d["sample"], d["slots"], self.trash_slot)] = tokens
-        return tokens
+        """One eager step: copy the inputs to the device, run it. Returns the sampled tokens [num_rows]."""
+        kw = dict(device=self.device, non_blocking=True)
+        tokens = self.device_step(inputs.ints.to(**kw), inputs.temperatures.to(**kw), inputs.S, inputs.context_len,
+                                  inputs.decode)
+        return tokens[:inputs.num_rows]
+
+    def _replay(self, inputs: _HostInputs) -> torch.Tensor:
+        """A decode step through its graph (captured on first use): copy the inputs in, replay."""
+        key = (inputs.ints.size(0), inputs.context_len)
+        if key not in self.graphs:
+            self.graphs[key] = _DecodeGraph(self, key[0], inputs.ints.size(1) - _NCOL - 1, inputs.context_len)
+        graph = self.graphs[key]
+        graph.ints.copy_(inputs.ints, non_blocking=True)
+        graph.temperatures.copy_(inputs.temperatures, non_blocking=True)
+        graph.graph.replay()
+        return graph.tokens[:inputs.num_rows]
 
     def _run_cpu(self, inputs: _HostInputs):
         start = time.perf_counter_ns()
@@ -146,7 +233,7 @@ class ModelRunner:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
-            tokens = self.forward(inputs)
+            tokens = self._replay(inputs) if inputs.graph else self.forward(inputs)
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             end.record(self.stream)
@@ -155,7 +242,3 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self.device.type != "cuda":
             self.worker.shutdown(wait=True)
-
-
-_TENSOR_FIELDS = ("ids", "remap", "start", "num_tokens", "block_tables", "slots", "sample", "temperatures",
-                  "seeds", "positions")

@@ -25,9 +25,10 @@ batch) draws the same token from the same logits. Three pieces:
    vs torch), as the tests check. u = 0 (odds 2**-31) gives g = -inf: that token is never drawn.
    Temperature 0 is greedy: plain argmax of the logits, no noise, the seed ignored.
 
-Two paths, equal bit for bit: a Triton kernel (one program per row, looping over the vocab in blocks with a
-running argmax) and a torch path that re-implements Philox in int64 ops for CPU, where the Triton interpreter
-is far too slow at a 129,280-token vocab. Neither synchronises with the host (no .item(), no data-dependent
+Two paths, equal bit for bit: a Triton kernel (a program per row and vocab split, looping over its part of
+the vocab in blocks with a running argmax, then the lowest index at the maximum over the splits) and a torch
+path that re-implements Philox in int64 ops for CPU, where the Triton interpreter is far too slow at a
+129,280-token vocab. Neither synchronises with the host (no .item(), no data-dependent
 shape), so `sample` can sit inside an asynchronous step and a CUDA graph. Logits must be free of NaN (the
 paths treat NaN differently).
 """
@@ -136,15 +137,17 @@ if triton is not None:
         return (-tl.log(-tl.log(u.to(tl.float64)))).to(tl.float32)
 
     @triton.jit
-    def _sample_kernel(logits_ptr, stride_row, temps_ptr, keys_ptr, out_ptr, V, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def _sample_kernel(logits_ptr, stride_row, temps_ptr, keys_ptr, best_ptr, best_idx_ptr, V, CHUNK,
+                       BLOCK: tl.constexpr):
+        """Program (row, split): the argmax of the row's scores over vocab [split·CHUNK, (split+1)·CHUNK)."""
+        row, split = tl.program_id(0), tl.program_id(1)
         key = tl.load(keys_ptr + row)
         temp = tl.load(temps_ptr + row)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         # Running argmax per lane: the earliest index of each lane's maximum (strict > keeps the first).
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
+        for start in range(split * CHUNK, tl.minimum(split * CHUNK + CHUNK, V), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"))  # lanes past V never win
             if temp == 0.0:  # greedy: plain argmax, no noise (a branch per row: ~7x cheaper on an H200)
@@ -156,7 +159,17 @@ if triton is not None:
             best = tl.where(better, score, best)
             best_idx = tl.where(better, cols, best_idx)
         top = tl.max(best, axis=0)
-        token = tl.min(tl.where(best == top, best_idx, V), axis=0)  # lowest index among the lanes at the top
+        out = row * tl.num_programs(1) + split
+        tl.store(best_ptr + out, top)
+        tl.store(best_idx_ptr + out, tl.min(tl.where(best == top, best_idx, V), axis=0))  # lowest index at the top
+
+    @triton.jit
+    def _argmax_splits_kernel(best_ptr, best_idx_ptr, out_ptr, V, SPLITS: tl.constexpr):
+        """Per row: the lowest vocab index among the splits that reach the row's maximum score."""
+        row = tl.program_id(0)
+        best = tl.load(best_ptr + row * SPLITS + tl.arange(0, SPLITS))
+        idx = tl.load(best_idx_ptr + row * SPLITS + tl.arange(0, SPLITS))
+        token = tl.min(tl.where(best == tl.max(best, axis=0), idx, V), axis=0)
         tl.store(out_ptr + row, token.to(tl.int64))
 
     @triton.jit
@@ -170,11 +183,20 @@ if triton is not None:
 
 def _sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
                    block: int = 4096) -> torch.Tensor:
-    # One program per row owns an SM and is bound by Philox and the fp64 logs: 16 warps of 4096 lanes ran
-    # 2.3x faster than 4 warps of 1024 on an H200 (V=129280).
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _sample_kernel[(logits.shape[0],)](logits, logits.stride(0), temperatures, keys, out, logits.shape[1],
+    # A program per (row, vocab split) is bound by Philox and the fp64 logs: 16 warps of 4096 lanes ran
+    # 2.3x faster than 4 warps of 1024 on an H200 (V=129280). One program per row left most of the
+    # chip idle below ~132 rows, so the vocab is split until rows x splits fills it; a second launch
+    # takes the lowest index at the maximum over the splits, which is the token of one whole-row pass.
+    rows, V = logits.shape
+    splits = 1 << (max(1, min(32, 512 // max(rows, 1))).bit_length() - 1)  # a power of two, from the shape
+    chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
+    best = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _sample_kernel[(rows, splits)](logits, logits.stride(0), temperatures, keys, best, best_idx, V, chunk,
                                        BLOCK=block, num_warps=16)
+        _argmax_splits_kernel[(rows,)](best, best_idx, out, V, SPLITS=splits)
     return out
 
 

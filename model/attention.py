@@ -12,11 +12,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import attention as attention_kernel, norm as norm_kernel, quant as quant_kernel
 from model.config import ModelArgs
 from model.quant import act_quant_fp4, act_quant_fp8
 from model.rope import apply_rope
 
 SPARSE_ATTN_BLOCK = 64  # the kernel's online softmax walks the index list in blocks of 64 (spec §2.8)
+# CUDA: the Triton kernels of kernels/ (quantisation sims bit for bit; RMSNorm and sparse attention within
+# fp32 rounding). False keeps the torch ops everywhere (the benchmarks' "before"). CPU always uses torch.
+USE_KERNELS = True
+
+
+def _kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and USE_KERNELS
+
+
+def use_attention_kernel(q: torch.Tensor) -> bool:
+    """Sparse attention through kernels/attention.py: CUDA, bf16, a power-of-two head dim."""
+    return USE_KERNELS and attention_kernel.applies(q)
+
+
+def quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Spec §2.5a FP8 sim: model/quant.py on CPU, the same bits from one Triton launch on CUDA."""
+    return (quant_kernel.act_quant_fp8 if _kernels(x) else act_quant_fp8)(x, block)
+
+
+def quant_fp4(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
+    """Spec §2.5b/c FP4 sim: model/quant.py on CPU, the same bits from one Triton launch on CUDA."""
+    return (quant_kernel.act_quant_fp4 if _kernels(x) else act_quant_fp4)(x, block, scale_fmt)
 
 
 class Linear(nn.Module):
@@ -39,6 +62,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _kernels(x):
+            return norm_kernel.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight * xf).to(x.dtype)
@@ -92,13 +117,13 @@ class Indexer(nn.Module):
         """Index keys of new entries: latent bf16 [B,E,D] (pre-RoPE), freqs at positions j·r -> [B,E,Di]."""
         k = self.k_norm(self.wk(latent))
         apply_rope(k[..., -self.rope_dim:], freqs)
-        return act_quant_fp4(k, 32, "ue8m0")
+        return quant_fp4(k, 32, "ue8m0")
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor):
         """-> (q [B,S,Hi,Di] FP4-sim bf16, head weights [B,S,Hi] bf16)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         apply_rope(q[..., -self.rope_dim:], freqs)
-        q = act_quant_fp4(q, 32, "ue8m0")
+        q = quant_fp4(q, 32, "ue8m0")
         return q, self.weights_proj(x) * self.weight_scale
 
 
@@ -176,7 +201,7 @@ class Attention(nn.Module):
         """The window latent [B,S,D]: kv_norm(x·wkvᵀ), RoPE, then FP8-sim over the whole vector."""
         kv = self.kv_norm(self.wkv(x))
         apply_rope(kv[..., -self.rope_dim:], freqs)
-        return act_quant_fp8(kv, 32)
+        return quant_fp8(kv, 32)
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped low-rank wo_a (block-diagonal, spec §2.9), then wo_b. [B,S,H,D] -> [B,S,d]."""
@@ -190,7 +215,7 @@ def compressed_kv(latent: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> t
     """Compressed entries as stored (spec §2.6): RoPE at j·r on a copy of the latent, then FP4 (e4m3/16)."""
     c = latent.clone()
     apply_rope(c[..., -rope_dim:], freqs)
-    return act_quant_fp4(c, 16, "e4m3")
+    return quant_fp4(c, 16, "e4m3")
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
@@ -199,8 +224,11 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     q [B,S,H,D] bf16, kv [B,N,D] bf16 (key = value), sink [H] fp32, idx [B,S,L] (-1 = skip).
     Online softmax over blocks of 64 indices; probabilities are rounded to bf16 against the running
     max before P·V while the denominator sums fp32 (in q's dtype: fp32 in the fp32 debugging mode).
-    Returns [B,S,H,D] in q's dtype; a row with no index gives 0.
+    Returns [B,S,H,D] in q's dtype; a row with no index gives 0. On CUDA in bf16 one Triton launch
+    (kernels/attention.py) with the same numerics up to fp32 rounding.
     """
+    if use_attention_kernel(q):
+        return attention_kernel.sparse_attn(q, kv, sink, idx, scale)
     B, S, H, D = q.shape
     qf = q.float()
     acc = torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device)

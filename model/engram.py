@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ConfigError, ModelArgs
+from model.parallel import Shard, engram_lookup
 from model.quant import dequantize_fp8_e8m0
 
 SCALE_GROUP = 32  # one e8m0 scale per 32 values of a table row (spec §4.1)
@@ -150,14 +151,23 @@ def engram_history(history: torch.Tensor, comp_ids: torch.Tensor, num_tokens: to
 
 class EngramEmbedding(nn.Module):
     """`embed`: the FP8 e4m3 table, one e8m0 scale per 32 values of a row; looked-up rows are
-    dequantised to bf16 (official `ParallelEngramEmbedding`, one rank)."""
+    dequantised to bf16 (official `ParallelEngramEmbedding`). Under EP a rank holds the rows
+    `shard.rows(rows)` of the table, from `first_row` on (model/parallel.py)."""
 
-    def __init__(self, rows: int, head_dim: int):
+    def __init__(self, rows: int, head_dim: int, shard: Shard = Shard()):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, head_dim, dtype=torch.float8_e4m3fn))
-        self.scale = nn.Parameter(torch.empty(rows, head_dim // SCALE_GROUP, dtype=torch.float8_e8m0fnu))
+        local = shard.rows(rows)
+        self.shard, self.first_row = shard, local.start
+        self.weight = nn.Parameter(torch.empty(len(local), head_dim, dtype=torch.float8_e4m3fn))
+        self.scale = nn.Parameter(torch.empty(len(local), head_dim // SCALE_GROUP, dtype=torch.float8_e8m0fnu))
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.world_size > 1:  # the rows of every rank through this rank's part of the table
+            return engram_lookup(self, row_ids)
+        return self.lookup(row_ids)
+
+    def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the table this module holds, [...] -> [..., head_dim] bf16."""
         values = dequantize_fp8_e8m0(F.embedding(row_ids, self.weight), F.embedding(row_ids, self.scale))
         return values.to(torch.bfloat16)  # [..., head_dim]
 
@@ -172,19 +182,19 @@ class _Linear(nn.Linear):
 class Engram(nn.Module):
     """The Engram block before layer `layer_id` (spec §4.3): adds a gated n-gram value to each hc copy."""
 
-    def __init__(self, args: ModelArgs, layer_id: int):
+    def __init__(self, args: ModelArgs, layer_id: int, shard: Shard = Shard()):
         super().__init__()
         self.layer_index = args.engram_layer_ids.index(layer_id)  # which of hash_ids' layers to read
         self.dim, self.hc_mult, self.eps = args.dim, args.hc_mult, args.norm_eps
         self.q_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16))
-        self.embed = EngramEmbedding(args.engram_num_embeddings[self.layer_index], args.engram_head_dim)
+        self.embed = EngramEmbedding(args.engram_num_embeddings[self.layer_index], args.engram_head_dim, shard)
         self.wkv = _Linear(args.n_hash_cols * args.engram_head_dim, args.dim * (args.hc_mult + 1), bias=False,
                            dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """x [..., hc, dim] bf16, row_ids [..., n_hash_cols] -> [..., hc, dim] bf16."""
-        kv = self.wkv(self.embed(row_ids).to(self.wkv.weight.dtype).flatten(-2))  # [..., (hc+1)·dim]; bf16 rows are exact in fp32
+        kv = self.wkv(self.embed(row_ids).to(self.q_weight.dtype).flatten(-2))  # [..., (hc+1)·dim]; bf16 rows are exact in fp32
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         h = x.float()
         gate = self.gate(h, key.float().unflatten(-1, (self.hc_mult, self.dim)))  # [..., hc]

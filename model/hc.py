@@ -8,6 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import hc as hc_kernel
+
+USE_KERNEL = True  # CUDA: kernels/hc.py's fused mixes, collapse and expand; False keeps the torch ops
+
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              hc: int, iters: int, hc_eps: float, norm_eps: float):
@@ -16,6 +20,8 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     One rsqrt statistic per token over all hc·d values; comb is made doubly stochastic by Sinkhorn:
     a row softmax (+eps), a column normalisation, then iters-1 rounds of rows then columns.
     """
+    if h.is_cuda and USE_KERNEL:  # two Triton launches instead of ~95 ops (kernels/hc.py)
+        return hc_kernel.hc_split_sinkhorn(hc_kernel.hc_mixes(h, fn, norm_eps), scale, base, hc, iters, hc_eps)
     x = h.flatten(-2).float()
     mixes = F.linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
@@ -32,11 +38,15 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 
 def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Collapse: Σ_j pre_j·h_j in fp32, rounded to bf16. [..., hc, d] x [..., hc] -> [..., d]."""
+    if h.is_cuda and USE_KERNEL:
+        return hc_kernel.hc_pre(h, pre)
     return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
 
 
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Expand: copy k = post_k·y + Σ_j comb[j,k]·h_j in fp32, rounded once. y [..., d], h [..., hc, d]."""
+    if y.is_cuda and USE_KERNEL:
+        return hc_kernel.hc_post(y, h, post, comb)
     out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * h.unsqueeze(-2)).sum(-3)
     return out.to(y.dtype)
 

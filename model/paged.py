@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, window_index
+from kernels.attention import paged_sparse_attn
+from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, use_attention_kernel, \
+    window_index
 from model.engram import engram_history, hash_ids, start_history
 from model.hc import identity_pre_mix
 from model.transformer import Block, Transformer
@@ -118,36 +120,57 @@ class PagedModel:
         """The attention sublayer (spec §7.3 steps 1-4) over x bf16 [B, S, d]."""
         args, attn, layer, b = self.args, block.attn, block.layer, step.batch
         S, r, W = x.size(1), attn.ratio, args.window_size
-        freqs = self.weights.rope(r, x.device)[step.positions.clamp(max=args.max_seq_len - 1)]
+        cache = shared.setdefault("per_step", {})  # what every layer of this forward would compute alike
+        if ("freqs", bool(r)) not in cache:
+            cache["freqs", bool(r)] = self.weights.rope(r, x.device)[step.positions.clamp(max=args.max_seq_len - 1)]
+        freqs = cache["freqs", bool(r)]
         qr, q = attn.queries(x, freqs)
         kv = attn.window_kv(x, freqs)
         capture = shared["capture"]
         capture(layer, "window_kv", kv)
         # window keys: positions < s from the slot's ring (index p % W), the rest from this chunk (W + p - s)
-        source = torch.cat([self.ring[layer, b.state_slots], kv], dim=1)  # [B, W + S, D]
-        pos = window_index(step.positions, W, b.decode)
-        start = b.start[:, None, None]
-        idx = torch.where(pos < 0, -1, torch.where(pos >= start, W + pos - start, pos % W))
-        self.write_ring(layer, kv, step)
+        if "window" not in cache:
+            pos = window_index(step.positions, W, b.decode)
+            start = b.start[:, None, None]
+            cache["window"] = torch.where(pos < 0, -1, torch.where(pos >= start, W + pos - start, pos % W))
+        idx, ckv_pool = cache["window"], None
         if r:
-            n_entries = b.context_len // r
+            n_entries, kv_source = b.context_len // r, args.kv_source_of(layer)
+            ckv_pool, key_pool = self.entries[kv_source]
             if args.is_kv_source(layer):
                 self.compress(block, x, step)
-            ckv, keys = (self.stream(pool, b.block_tables, n_entries) for pool in
-                         self.entries[args.kv_source_of(layer)])
+                # the source's index keys are final for this forward once it has written its own
+                cache["keys", kv_source] = self.stream(key_pool, b.block_tables, n_entries)
             if args.is_index_source(layer):
+                keys = cache["keys", kv_source]
                 shared["topk"] = select_entries(args, block, x, qr, keys, step.positions, freqs, n_entries, shared)
                 capture(layer, "topk", shared["topk"])
-            topk = shared["topk"]
-            window_len = torch.full_like(step.end, W) if b.decode else step.end.clamp(max=W)
-            compressed_len = (step.end // r).clamp(max=args.index_topk)
-            idx = attention_list(idx, window_len, torch.where(topk >= 0, topk + W + S, -1), compressed_len)
-            source = torch.cat([source, ckv], dim=1)
-        o = sparse_attn(q, source, attn.attn_sink, idx, attn.softmax_scale)
+                window_len = torch.full_like(step.end, W) if b.decode else step.end.clamp(max=W)
+                compressed_len = (step.end // r).clamp(max=args.index_topk)
+                topk = shared["topk"]  # one list for this index source and the layers that reuse it
+                cache["list"] = attention_list(idx, window_len, torch.where(topk >= 0, topk + W + S, -1),
+                                               compressed_len)
+            idx = cache["list"]
+        o = self.sparse_attn(layer, attn, q, kv, ckv_pool, idx, b)
+        self.write_ring(layer, kv, step)  # after attention: until then the ring holds the positions before s
         capture(layer, "sparse_attn", o)
         out = attn.output(o, freqs)
         capture(layer, "attn_out", out)
         return out
+
+    def sparse_attn(self, layer: int, attn, q: torch.Tensor, kv: torch.Tensor, ckv_pool: torch.Tensor | None,
+                    idx: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        """Spec §2.8 over a row's KV sources, listed in that order by idx [B,S,L]: its slot's window ring
+        (index p % W), this chunk's window latents kv [B,S,D] (W + p - s), its compressed entries (W + S + j).
+        CUDA bf16: one kernel reading them where they lie; otherwise the torch path over their copy."""
+        ring = self.ring[layer]  # [slots + 1, W, D]
+        if use_attention_kernel(q):
+            return paged_sparse_attn(q, ring, b.state_slots, kv, ckv_pool, b.block_tables, attn.attn_sink, idx,
+                                     attn.softmax_scale)
+        sources = [ring[b.state_slots], kv]
+        if ckv_pool is not None:
+            sources.append(self.stream(ckv_pool, b.block_tables, b.context_len // attn.ratio))
+        return sparse_attn(q, torch.cat(sources, dim=1), attn.attn_sink, idx, attn.softmax_scale)
 
     def write_ring(self, layer: int, kv: torch.Tensor, step: _Step) -> None:
         """Each row's last min(n, W) window latents go to their ring positions p % W."""

@@ -113,3 +113,72 @@ def dequantize_fp8_e8m0(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     block = weight.shape[-1] // scale.shape[-1]
     values = weight.float().unflatten(-1, (-1, block)) * scale.float().unsqueeze(-1)
     return values.flatten(-2)
+
+
+# ---- weight storage of the released checkpoint (spec §5 "Storage", §9 convert.py) ----------------
+# Dense linears: FP8 e4m3 codes with one e8m0 scale per 32x32 tile. Routed experts: FP4 e2m1 codes packed
+# two per byte (the even element in the low nibble) with one e8m0 scale per 32 values along K. The scale
+# rule is the ue8m0 one of spec §2.5a/c, so every tile's largest value fits the format.
+WEIGHT_TILE = 32
+FP4_WEIGHT_GROUP = 32
+# e2m1 value of each 4-bit code: bit 3 is the sign, bits 0-2 index the grid (spec §2.5b)
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_TABLE = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32)
+
+
+def quantize_fp8_tiles(w: torch.Tensor, tile: int = WEIGHT_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (float8_e4m3fn [out, in], float8_e8m0fnu [ceil(out/tile), in/tile]): one scale per
+    tile x tile block, s = pow2ceil(max(amax, 1e-4)·fp32(1/448)). A last partial row of tiles is padded
+    with zeros, as the official `Linear` sizes its scale with a ceiling."""
+    rows = w.shape[0]
+    padded = torch.nn.functional.pad(w.float(), (0, 0, 0, -rows % tile))
+    blocks = _groups(padded, tile).unflatten(0, (-1, tile)).transpose(1, 2)  # [R, C, tile(out), tile(in)]
+    codes, scale = _fp8_quantize_groups(blocks.flatten(-2))  # [R, C, tile·tile], [R, C, 1]
+    codes = codes.unflatten(-1, (tile, tile)).transpose(1, 2).flatten(0, 1).flatten(-2)  # back to [out+pad, in]
+    return codes[:rows], scale.squeeze(-1).to(torch.float8_e8m0fnu)
+
+
+def dequantize_fp8_tiles(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn [out, in] with its e8m0 tile scales -> fp32 [out, in] (exact: power-of-two scales)."""
+    rows, cols = codes.shape
+    tile = cols // scale.shape[1]
+    s = scale.float().repeat_interleave(tile, dim=0)[:rows].repeat_interleave(tile, dim=1)
+    return codes.float() * s
+
+
+def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """Values on the e2m1 grid [..., K] -> uint8 [..., K/2], two codes a byte, the even element in the low
+    nibble (what `torch.float4_e2m1fn_x2` and DeepSeek's convert.py use)."""
+    grid = E2M1_TABLE[:8].to(values.device)
+    codes = torch.searchsorted(grid, values.abs().float().contiguous()).to(torch.uint8)
+    codes |= torch.signbit(values).to(torch.uint8) << 3
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (or any 1-byte view) [..., K/2] -> fp32 [..., K]: the inverse of pack_e2m1."""
+    b = packed.view(torch.uint8)
+    return torch.stack([_e2m1_value(b & 0x0F), _e2m1_value(b >> 4)], dim=-1).flatten(-2)
+
+
+def _e2m1_value(code: torch.Tensor) -> torch.Tensor:
+    """4-bit codes -> fp32 values, computed on the codes' device (no table copy, so a CUDA graph can
+    capture it): exponent bits 1-2, mantissa bit 0 (0 and 0.5 when the exponent is 0), sign bit 3."""
+    e, m = ((code >> 1) & 3).int(), (code & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.ldexp(1 + 0.5 * m, e - 1))
+    return torch.where((code & 8) != 0, -mag, mag)
+
+
+def quantize_fp4_e8m0(w: torch.Tensor, group: int = FP4_WEIGHT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (uint8 [out, in/2] packed e2m1 codes, float8_e8m0fnu [out, in/group]): one scale per
+    `group` values along K, s = pow2ceil(max(amax, 6·2^-126)·fp32(1/6)) (the rule of spec §2.5c)."""
+    g = _groups(w, group)  # [out, in/group, group]
+    scale = fp4_scale(g.abs().amax(-1, keepdim=True), "ue8m0")
+    values = e2m1_round((g / scale).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
+    return pack_e2m1(values), scale.squeeze(-1).to(torch.float8_e8m0fnu)
+
+
+def dequantize_fp4_e8m0(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 [out, in/2] with e8m0 scales [out, in/group] -> fp32 [out, in] (exact)."""
+    values = unpack_e2m1(packed)
+    return values * scale.float().repeat_interleave(values.shape[-1] // scale.shape[-1], dim=-1)

@@ -16,14 +16,16 @@ from model.config import ModelArgs
 from model.engram import Engram, EngramLayout, compressed_token_map
 from model.hc import hc_mixes, hc_post, hc_pre
 from model.moe import MoE
+from model.parallel import Shard
 from model.rope import rope_table
 
 
 class Block(nn.Module):
     """One layer: attention and MoE sublayers between hyper-connection collapse and expand (spec §3),
-    with an Engram block before it on `engram_layer_ids` (spec §4)."""
+    with an Engram block before it on `engram_layer_ids` (spec §4). `shard`: this rank's part of the
+    routed experts and Engram rows under EP (model/parallel.py); everything else is replicated."""
 
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, shard: Shard = Shard()):
         super().__init__()
         self.layer, self.args = layer, args
         mix, width = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
@@ -35,8 +37,8 @@ class Block(nn.Module):
         self.hc_attn_scale = nn.Parameter(torch.empty(3, **f32))
         self.hc_ffn_scale = nn.Parameter(torch.empty(3, **f32))
         self.attn = Attention(args, layer)
-        self.ffn = MoE(args)
-        self.engram = Engram(args, layer) if layer in args.engram_layer_ids else None
+        self.ffn = MoE(args, shard)
+        self.engram = Engram(args, layer, shard) if layer in args.engram_layer_ids else None
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -61,14 +63,14 @@ class Transformer(nn.Module):
     """embed -> hc copies -> blocks -> collapse -> norm -> head (fp32 logits). Parameters only, plus
     the embedding and head steps both forward passes share."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, shard: Shard = Shard()):
         super().__init__()
-        self.args = args.check()
+        self.args, self.shard = args.check(), shard
         with torch.device("cpu"):  # host tables, even when the parameters are built on the meta device
             self.engram_layout = EngramLayout.from_args(args)
         self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=torch.bfloat16, _weight=torch.empty(
             args.vocab_size, args.dim, dtype=torch.bfloat16))
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, i, shard) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = nn.Module()
         self.head.weight = nn.Parameter(torch.empty(args.vocab_size, args.dim, dtype=torch.float32))

@@ -10,7 +10,8 @@ so the viewer and the tools find a step, a request or a kind without decoding th
 Columns, one entry per event (the footer excluded), in log order: `offset` (int64 byte offset), `kind`
 (uint8 code, tracing/schema.py), `step` and `seq_id` (int32, -1 when the event has none; a schedule event
 names no sequence itself, its rows do), `t` (int64 ns since the header's t0_ns; a span's start; -1 for a
-step_digest, which has no time). `steps` summarises each step, one row per schedule event. A clean log's
+step_digest, which has no time). `steps` summarises each step, one row per schedule event; `resources`
+lists every KV block and state slot allocation and free, one row per block or slot. A clean log's
 footer (event counts, step offsets) is checked against the scan; a log without one is indexed by the
 scan alone and `cut` says where it stops. Imports neither torch nor engine/.
 """
@@ -24,6 +25,9 @@ from tracing.reader import Event, TraceError, TraceFile
 from tracing.schema import EVENTS, KIND, PHASES
 
 SCHEDULE, CPU_SPAN, DEVICE_SPAN = KIND["schedule"], KIND["cpu_span"], KIND["device_span"]
+BLOCK_EVENTS = (KIND["block_alloc"], KIND["block_free"])     # fields: t, seq_id, block_ids
+SLOT_EVENTS = (KIND["slot_alloc"], KIND["slot_free"])        # fields: t, seq_id, slot
+PROGRESS_EVERY = 1 << 16                                     # events between two progress callbacks
 
 
 def _position(fields: tuple[str, ...], *names: str) -> int:
@@ -58,12 +62,26 @@ class StepTable:
         return len(self.step)
 
 
+@dataclass(slots=True)
+class ResourceTable:
+    """One row per KV block or state slot in a block_alloc, block_free, slot_alloc or slot_free event, in log
+    order: replaying the rows up to an event gives who owns what at that event."""
+    event: np.ndarray      # int64: index of the event (a TraceIndex row)
+    kind: np.ndarray       # uint8: the event's kind code
+    seq_id: np.ndarray     # int32: the owner
+    resource: np.ndarray   # int32: the block id or the slot
+
+    def __len__(self) -> int:
+        return len(self.event)
+
+
 class TraceIndex:
     """Columns over one log's events, and random access by step, request, kind and position."""
 
-    def __init__(self, trace: TraceFile):
+    def __init__(self, trace: TraceFile, progress=None):
+        """`progress(byte_offset)`, if given, is called every PROGRESS_EVERY events of the scan."""
         self.trace = trace
-        offset, kind, step, seq_id, t, rows, spans = _scan(trace)
+        offset, kind, step, seq_id, t, rows, spans, res = _scan(trace, progress)
         self.cut = trace.cut
         self.offset = np.array(offset, dtype=np.int64)
         self.kind = np.array(kind, dtype=np.uint8)
@@ -71,11 +89,15 @@ class TraceIndex:
         self.seq_id = _int_column(seq_id, np.int32, "seq_id", self.offset, trace.path)
         self.t = _int_column(t, np.int64, "time", self.offset, trace.path)
         self.steps = _step_table(rows, spans, trace.path)
+        self.resources = _resource_table(res, trace.path)
         self._row_event = np.array([r[0] for r in rows.seqs], dtype=np.int64)  # schedule event index per row
         self._row_seq = _int_column([r[1] for r in rows.seqs], np.int32, "row's seq_id",
                                     self.offset[self._row_event], trace.path)
         self._by_step = np.argsort(self.step, kind="stable")
         self._by_seq = np.argsort(self.seq_id, kind="stable")
+        self._step_sorted, self._seq_sorted = self.step[self._by_step], self.seq_id[self._by_seq]
+        self._rows_by_seq = np.argsort(self._row_seq, kind="stable")
+        self._row_seq_sorted = self._row_seq[self._rows_by_seq]
         self.step_offsets = self.offset[self.kind == SCHEDULE]
         if trace.clean:
             self._check_footer()
@@ -94,13 +116,16 @@ class TraceIndex:
     # ---- random access -------------------------------------------------------------------------
     def events_of_step(self, step: int) -> np.ndarray:
         """Indices of the events that name `step`, in log order."""
-        return self._group(self._by_step, self.step, step)
+        return self._group(self._by_step, self._step_sorted, step)
 
     def events_of_request(self, seq_id: int) -> np.ndarray:
         """Indices of the events of one request, in log order: those that name it, and the schedule events
         with a row of it."""
-        named = self._group(self._by_seq, self.seq_id, seq_id)
-        return np.union1d(named, self._row_event[self._row_seq == seq_id])
+        named = self._group(self._by_seq, self._seq_sorted, seq_id)
+        scheduled = self._row_event[self._group(self._rows_by_seq, self._row_seq_sorted, seq_id)]
+        # a schedule event names no seq_id, so the two are disjoint; a stable sort merges two sorted runs fast
+        merged = np.sort(np.concatenate([named, scheduled]), kind="stable")
+        return merged[np.concatenate([[True], merged[1:] != merged[:-1]])] if len(merged) else merged
 
     def events_of_kind(self, name: str) -> np.ndarray:
         if name not in KIND:
@@ -116,10 +141,10 @@ class TraceIndex:
         return max(int(np.searchsorted(self.steps.schedule_start, t, side="right")) - 1, 0)
 
     @staticmethod
-    def _group(order: np.ndarray, column: np.ndarray, value: int) -> np.ndarray:
-        ordered = column[order]
+    def _group(order: np.ndarray, ordered: np.ndarray, value: int) -> np.ndarray:
+        """The positions (sorted) whose value is `value`, given `order` that sorts the column into `ordered`."""
         lo, hi = np.searchsorted(ordered, value, "left"), np.searchsorted(ordered, value, "right")
-        return np.sort(order[lo:hi])
+        return order[lo:hi]   # ascending: `order` is a stable argsort
 
 
 class _Rows:
@@ -130,12 +155,15 @@ class _Rows:
         self.seqs: list[tuple[int, int]] = []
 
 
-def _scan(trace: TraceFile):
-    """One pass over the log: the five columns, the schedule summaries and the spans. An event's array
-    gets a -1 appended so that a field it lacks reads as -1 without a branch."""
+def _scan(trace: TraceFile, progress=None):
+    """One pass over the log: the five columns, the schedule summaries, the spans and the resource rows.
+    An event's array gets a -1 appended so that a field it lacks reads as -1 without a branch."""
     offset, kind, step, seq_id, t = [], [], [], [], []
     rows, spans = _Rows(), []          # spans: (step, lane, start, end); lane 0-2 a PHASE, 3 the device
+    res: list[tuple] = []              # (event index, kind, seq_id, block or slot)
     for i, (start, obj) in enumerate(trace.objects()):
+        if progress is not None and i % PROGRESS_EVERY == 0:
+            progress(start)
         code = obj[0]
         obj.append(-1)
         s, q, tt = LAYOUT[code]
@@ -150,7 +178,13 @@ def _scan(trace: TraceFile):
             spans.append((obj[1], obj[2], obj[3], obj[4]))
         elif code == DEVICE_SPAN:
             spans.append((obj[1], len(PHASES), obj[2], obj[3]))
-    return offset, kind, step, seq_id, t, rows, spans
+        elif code in BLOCK_EVENTS:
+            if type(obj[3]) is not list:
+                raise TraceError(f"{trace.path} is damaged at byte {start}: its block_ids are not a list.")
+            res.extend((i, code, obj[2], b) for b in obj[3])
+        elif code in SLOT_EVENTS:
+            res.append((i, code, obj[2], obj[3]))
+    return offset, kind, step, seq_id, t, rows, spans, res
 
 
 def _schedule(obj: list, i: int, start: int, rows: _Rows, trace: TraceFile) -> None:
@@ -199,11 +233,18 @@ def _step_table(rows: _Rows, spans: list, path) -> StepTable:
                      *times.reshape(2 * (len(PHASES) + 1), n))
 
 
-def _int_rows(rows: list, width: int, path) -> np.ndarray:
+def _resource_table(res: list, path) -> ResourceTable:
+    a = _int_rows(res, 4, path, "a block or slot event")
+    if len(a) and (a[:, 2:].min() < 0 or a[:, 2:].max() > np.iinfo(np.int32).max):
+        raise TraceError(f"{path} is damaged: a block or slot event names a negative or huge id.")
+    return ResourceTable(a[:, 0], a[:, 1].astype(np.uint8), a[:, 2].astype(np.int32), a[:, 3].astype(np.int32))
+
+
+def _int_rows(rows: list, width: int, path, what: str = "a schedule or span event") -> np.ndarray:
     try:
         a = np.array(rows) if rows else np.zeros((0, width), np.int64)
     except (ValueError, TypeError, OverflowError):
         a = np.zeros(0, np.float64)
     if a.dtype.kind not in "iu" or a.shape != (len(rows), width):
-        raise TraceError(f"{path} is damaged: a schedule or span event has a field that is not an integer.")
+        raise TraceError(f"{path} is damaged: {what} has a field that is not an integer.")
     return a.astype(np.int64)

@@ -4,8 +4,9 @@
     from tracing import Recorder
     llm = LLM("tiny-68m", tracer=Recorder("run.mdt"))
 
-Events are packed into a buffer and written to the log's final path once per engine step (`step_end`),
-so a run still going can be followed and a crash leaves every complete step readable. `close()` (called
+Events are kept as lists during a step, then packed together (one C-level pass over the packer) and
+written to the log's final path once per engine step (`step_end`), so a hook costs the engine's loop a
+list and a counter, a run still going can be followed and a crash leaves every complete step readable. `close()` (called
 by the engine's shutdown) writes the footer: event counts and the byte offset of every step's
 `schedule` event, then a 9-byte trailer pointing at the footer, so readers seek instead of scanning.
 Imports neither torch nor engine/: it reads the engine's objects by attribute.
@@ -16,12 +17,18 @@ import datetime
 import sys
 import time
 from collections import Counter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 
 import msgpack
 
-from tracing.schema import BATCH_KINDS, EPOCH_REASONS, FINISH_REASONS, KIND, MAGIC, PHASES, SCHEMA_VERSION, \
-    TRAILER_TAG
+from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, MAGIC, PHASES, ROW_FIELDS, \
+    SCHEMA_VERSION, TRAILER_TAG
+
+_now_ns = time.perf_counter_ns
+_kind_of = itemgetter(0)
+_row_fields = attrgetter(*ROW_FIELDS)  # a ScheduledRow's fields in the schema's order, read in C
+_RESERVATION, _TOKEN = KIND["reservation"], KIND["token"]  # the hooks called once per row and step
 
 
 class Recorder:
@@ -35,19 +42,40 @@ class Recorder:
         self.packer = msgpack.Packer(use_bin_type=True)
         self.buf = bytearray()
         self.written = 0                      # bytes already in the file
-        self.counts: Counter[str] = Counter()
+        self.code_counts: Counter[int] = Counter()  # events per kind code, counted when packed
         self.step_offsets: list[list[int]] = []  # [step, byte offset of its schedule event]
+        self.pending: list[list] = []            # this step's events, packed together at step_end
+        self.pending_schedules: list[tuple[int, int]] = []  # (index in pending, step) of schedule events
         self.t0 = time.perf_counter_ns()
         self.closed = False
 
     def _emit(self, name: str, *fields) -> None:
-        self.buf += self.packer.pack([KIND[name], *fields])
-        self.counts[name] += 1
+        self.pending.append([KIND[name], *fields])
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Events per kind name, those of the step not packed yet included."""
+        codes = self.code_counts + Counter(map(_kind_of, self.pending))
+        return Counter({EVENTS[code][0]: n for code, n in codes.items()})
+
+    def _pack_pending(self) -> None:
+        """Pack the step's events into the buffer, one C-level pass per run of events between schedule
+        events (whose byte offsets the footer's step index needs)."""
+        pack, start = self.packer.pack, 0
+        self.code_counts.update(map(_kind_of, self.pending))
+        for i, step in self.pending_schedules:
+            self.buf += b"".join(map(pack, self.pending[start:i]))
+            self.step_offsets.append([step, self.written + len(self.buf)])
+            start = i
+        self.buf += b"".join(map(pack, self.pending[start:]))
+        self.pending.clear()
+        self.pending_schedules.clear()
 
     def _now(self) -> int:
         return time.perf_counter_ns() - self.t0
 
     def _flush(self) -> None:
+        self._pack_pending()
         if self.buf:
             self.file.write(self.buf)
             self.file.flush()
@@ -67,13 +95,14 @@ class Recorder:
                    params.max_tokens, params.ignore_eos, list(params.stop_token_ids))
 
     def schedule(self, batch):
-        self.step_offsets.append([batch.step, self.written + len(self.buf)])
-        rows = [[r.seq_id, r.epoch, r.start, list(r.token_ids), list(r.block_table), r.state_slot, r.sample, r.seed,
-                 r.temperature, r.output_position] for r in batch.rows]
+        self.pending_schedules.append((len(self.pending), batch.step))
+        # the lists are copied now: a block table can change before the step's events are packed
+        rows = [[seq_id, epoch, start, list(token_ids), list(block_table), *rest]
+                for seq_id, epoch, start, token_ids, block_table, *rest in map(_row_fields, batch.rows)]
         self._emit("schedule", self._now(), batch.step, BATCH_KINDS.index(batch.kind), rows, list(batch.preempted))
 
-    def reservation(self, step, seq_id, epoch, output_position):
-        self._emit("reservation", self._now(), step, seq_id, epoch, output_position)
+    def reservation(self, step, seq_id, epoch, output_position):  # once per row: no _emit/_now calls
+        self.pending.append([_RESERVATION, _now_ns() - self.t0, step, seq_id, epoch, output_position])
 
     def epoch_bump(self, seq_id, epoch, reason):
         self._emit("epoch_bump", self._now(), seq_id, epoch, EPOCH_REASONS.index(reason))
@@ -96,8 +125,8 @@ class Recorder:
     def cancel(self, step, seq_id):
         self._emit("cancel", self._now(), step, seq_id)
 
-    def token(self, step, seq_id, epoch, position, token_id, appended):
-        self._emit("token", self._now(), step, seq_id, epoch, position, token_id, bool(appended))
+    def token(self, step, seq_id, epoch, position, token_id, appended):  # once per row, as reservation
+        self.pending.append([_TOKEN, _now_ns() - self.t0, step, seq_id, epoch, position, token_id, bool(appended)])
 
     def finish(self, step, seq_id, reason):
         self._emit("finish", self._now(), step, seq_id, FINISH_REASONS.index(reason))
@@ -121,6 +150,7 @@ class Recorder:
         self._flush()
         footer_offset = self.written
         self._emit("footer", dict(self.counts), len(self.step_offsets), self.step_offsets, True)
+        self._pack_pending()
         self.buf += bytes([TRAILER_TAG]) + footer_offset.to_bytes(8, "big")  # a msgpack uint64, always 9 bytes
         self._flush()
         self.file.close()

@@ -31,6 +31,11 @@ reservations whose token has not come back. Each event is checked against that s
 A log cut short is checked up to its last complete event; the result then holds one note (a Finding with
 `violation=False`) that says so, and no end-of-run findings.
 
+A run of several ranks (tracing/ranks.py) is checked by `verify_run`: every rank's log as above (each rank
+runs its own scheduler, so each proves its own promises), plus what ties the ranks together: request ids
+partitioned by rank (rank r of N holds ids r mod N, so no request is on two ranks) and one configuration
+(`SHARED_HEADER`) on every rank.
+
 Where a finding's step comes from: the event's own `step` field, else (allocations, frees, epoch bumps) the
 step the scheduler is at, which is also what the engine writes in `preempt`, `cancel` and `finish`. Under ZOS
 that is one or two steps after the step whose result is being processed (`token` and `step_digest` carry the
@@ -46,6 +51,7 @@ from tracing.reader import Event, TraceFile
 from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, ROW_FIELDS
 
 Row = namedtuple("Row", ROW_FIELDS)
+SHARED_HEADER = ("checkpoint_digest", "model", "model_source", "dtype", "engine", "seed", "torch", "intra_op_threads")
 RELEASE_EVENTS = ("epoch_bump", "block_free", "slot_free", "finish")  # what may follow a cancel (Scheduler.abort)
 BUMP_REASON = {"preempt": "preempt", "cancel": "abort"}              # the event before an epoch bump -> its reason
 
@@ -57,9 +63,12 @@ class Finding:
     offset: int | None        # byte offset of the event that shows it
     message: str
     violation: bool = True    # False for a note that is not a broken promise (the log was cut short)
+    rank: int | None = None   # the rank's log it was found in, in a run of several ranks
 
     def __str__(self) -> str:
         where = "end of log" if self.step is None else f"step {self.step}"
+        if self.rank is not None:
+            where = f"rank {self.rank}, {where}"
         if self.seq_id is not None:
             where += f", request {self.seq_id}"
         return f"{where}: {self.message}"
@@ -94,6 +103,23 @@ def verify(trace: TraceFile) -> list[Finding]:
     return v.findings
 
 
+def verify_run(run) -> list[Finding]:
+    """Every finding of a `tracing.ranks.Run` (of its `selected` ranks): each rank's log in rank order
+    (findings carry their rank when there are several), then each rank's header fields of SHARED_HEADER
+    that differ from rank 0's."""
+    if run.world_size == 1:
+        return verify(run.traces[0])
+    findings = []
+    for rank in run.selected:
+        trace = run.traces[rank]
+        for f in verify(trace):
+            f.rank = rank
+            findings.append(f)
+        findings += [Finding(None, None, None, f"its header's {key} differs from rank 0's", rank=rank)
+                     for key in SHARED_HEADER if trace.header.get(key) != run.header.get(key)]
+    return findings
+
+
 def _seq_field(event: Event) -> int | None:
     return event.seq_id if "seq_id" in EVENTS[KIND[event.kind]][1] else None
 
@@ -102,6 +128,7 @@ class _Verifier:
     def __init__(self, header: dict):
         engine = header.get("engine") or {}
         self.num_blocks, self.num_slots = engine.get("num_kv_blocks"), engine.get("num_state_slots")
+        self.rank, self.world_size = header.get("rank") or 0, header.get("world_size") or 1
         self.reqs: dict[int, _Request] = {}
         self.block_owner: dict[int, int] = {}
         self.slot_owner: dict[int, int] = {}
@@ -160,6 +187,9 @@ class _Verifier:
     def on_request_added(self, t, s, prompt_token_ids, *params) -> None:
         if s in self.reqs:
             self.fail(s, "request added twice")
+        if s % self.world_size != self.rank:
+            self.fail(s, f"request {s} added on rank {self.rank} of {self.world_size}, whose request ids are "
+                         f"{self.rank} mod {self.world_size}")
         self.reqs[s] = _Request(list(prompt_token_ids), len(prompt_token_ids))
 
     # A resource given to a second owner stays with the first in `block_owner`/`slot_owner` and enters the

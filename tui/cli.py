@@ -1,9 +1,9 @@
 """The `mdi-trace` command line (ARCHITECTURE.md §1: tui/ is the face of the project).
 
 Exit codes: 0 success, 1 a finding, 2 bad usage or unreadable input. Every error a user can meet is
-one sentence on stderr, never a traceback. Subcommands: `checkpoint init`, `generate` (random prompts
-through the engine, a smoke run), `record` (a run under the Recorder), `info`, `export`, `verify` and
-`check --scheduler` (of a trace); `view` and the model replay of `check` arrive with their issues.
+one sentence on stderr, never a traceback. Subcommands: `checkpoint init|quantize`, `generate` (random
+prompts through the engine, a smoke run), `record` (a run under the Recorder, `--nproc N` for EP x DP),
+and of a trace: `info`, `export`, `verify`, `view` (tui/app.py), `check` and `diff` (tui/check.py).
 """
 from __future__ import annotations
 
@@ -55,7 +55,24 @@ def _step(text: str) -> int:
 
 def _check(a) -> int:
     from tui.check import check
-    return check(a)
+    return _each_rank(a, check)
+
+
+def _each_rank(a, command) -> int:
+    """`command(a)` on each rank's log when a.trace names a run of several ranks (tracing/ranks.py: OUT for
+    every rank, NAME.rankR.mdt for rank R alone), each under a "rank R" line; the worst exit code. A
+    single-process log: `command(a)` as it is."""
+    from tracing.ranks import open_run
+
+    with open_run(a.trace) as run:
+        paths, ranks = [t.path for t in run.traces], run.selected
+    if len(paths) == 1:
+        return command(a)
+    codes = []
+    for rank in ranks:
+        print(f"rank {rank} of {len(paths)}: {paths[rank]}", flush=True)
+        codes.append(command(argparse.Namespace(**{**vars(a), "trace": str(paths[rank])})))
+    return max(codes)
 
 
 def _diff(a) -> int:
@@ -96,6 +113,9 @@ def _record_parser(sub) -> None:
     rec.add_argument("--num-state-slots", type=_positive, default=None, help="default: --max-num-seqs")
     rec.add_argument("--cancel-rate", type=_probability, default=0.1, metavar="P",
                      help="cancel each request with probability P, after a random number of its output tokens")
+    rec.add_argument("--nproc", type=_positive, default=1, metavar="N",
+                     help="ranks of an EP x DP run (gloo on CPU, NCCL with one GPU each): requests round-robin, "
+                          "one trace per rank beside the output, NAME.rankR.mdt")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--preset", default="tiny-68m", help="tiny-68m, micro or stress")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("-o", "--output", required=True, help="output folder")
+    quant = ck.add_parser("quantize", help="write a checkpoint in the released format (FP8 dense, FP4 experts, "
+                                           "sharded with model.safetensors.index.json)")
+    quant.add_argument("--from", dest="source", required=True, help="a checkpoint folder made by `checkpoint init`")
+    quant.add_argument("-o", "--output", required=True, help="output folder")
     gen = sub.add_parser("generate", help="run random prompts through the engine (a smoke run)")
     gen.add_argument("--model", default="tiny-68m", help="a preset name or a checkpoint folder")
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -117,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     _record_parser(sub)
     info = sub.add_parser("info", help="a trace's header and summary, and whether it was cut short")
     info.add_argument("trace")
+    view = sub.add_parser("view", help="the trace viewer: timeline, steps, requests, resources, events (a TUI)")
+    view.add_argument("trace")
+    view.add_argument("--follow", action="store_true", help="tail a log that is still being written")
+    view.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                      help="run `mdi-trace verify` in the background and show its findings "
+                           "(default: logs under 32 MiB)")
     exp = sub.add_parser("export", help="convert a trace (Chrome trace JSON for Perfetto)")
     exp.add_argument("trace")
     exp.add_argument("--format", default="perfetto", choices=["perfetto"])
@@ -143,6 +173,19 @@ def _parser() -> argparse.ArgumentParser:
     dif.add_argument("--tokens", action="store_true",
                      help="compare the sampled tokens only (runs that decide differently, e.g. ZOS on vs off)")
     return p
+
+
+def _checkpoint(a) -> int:
+    return {"init": _checkpoint_init, "quantize": _checkpoint_quantize}[a.action](a)
+
+
+def _checkpoint_quantize(a) -> int:
+    from model.released import quantize_checkpoint
+
+    digest = quantize_checkpoint(a.source, a.output)
+    print(f"wrote {a.output}: {a.source} in the released format (FP8 e4m3 32x32 tiles, FP4 e2m1 experts), "
+          f"digest {digest}")
+    return 0
 
 
 def _checkpoint_init(a) -> int:
@@ -237,17 +280,23 @@ def _requests(a, llm, rng: random.Random) -> list[tuple[list[int], object]]:
 def _run(engine, cancel_at: dict[int, int], total: int) -> bool:
     """Steps the engine to the end under a progress bar, cancelling request i once it has cancel_at[i]
     output tokens (0: as soon as it has been scheduled). Ctrl-C stops at the end of the step under way
-    and cancels the unfinished requests, so the trace stays consistent; returns whether that happened."""
+    and cancels the unfinished requests, so the trace stays consistent; returns whether that happened.
+    Under EP x DP the ranks agree on both every step, so they stop together."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from model.parallel import any_rank
 
     interrupted: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                TimeElapsedColumn())
     try:
-        with Progress(*columns, transient=True) as bar:
-            task, steps = bar.add_task("recording", total=total), 0
-            while engine.has_unfinished() and not interrupted:
+        with Progress(*columns, transient=True, disable=engine.shard.rank > 0) as bar:
+            task, steps, stopped = bar.add_task("recording", total=total), 0, False
+            while engine.has_unfinished():
+                if any_rank(bool(interrupted), engine.shard):
+                    stopped = True
+                    break
                 bar.advance(task, len(engine.step()))
                 steps += 1
                 bar.update(task, description=f"recording, step {steps}")
@@ -257,35 +306,46 @@ def _run(engine, cancel_at: dict[int, int], total: int) -> bool:
                         del cancel_at[seq_id]
                         if seq is not None:
                             engine.abort(seq_id)
-            if interrupted:
+            if stopped:
                 for seq_id in list(engine.scheduler.seqs):
                     engine.abort(seq_id)
                 engine.step()  # applies the cancellations and processes the step in flight
     finally:
         signal.signal(signal.SIGINT, previous)
-    return bool(interrupted)
+    return stopped
 
 
 def _record(a, argv: list[str]) -> int:
+    import os
+
     from rich.console import Console
 
     from engine import LLM
+    from model.parallel import barrier, from_rank0, setup
     from tracing import Recorder
-    from tracing.reader import open_trace
+    from tracing.ranks import open_run, rank_path
 
     if a.prompts:
         _read_prompts(a.prompts)  # a bad file fails before the model loads
     out = Path(a.output or f"traces/run-{time.strftime('%Y%m%d-%H%M%S')}.mdt")
     if out.is_dir():
         raise SystemExit(f"mdi-trace: {out} is a folder; give -o a file name.")
-    recorder = Recorder(out, argv=["mdi-trace", *argv])
+    if a.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_record(a, argv, out)
+    shard = setup(a.device)  # one process, or a rank of `--nproc` / torchrun
+    if a.nproc not in (1, shard.world_size):
+        raise SystemExit(f"mdi-trace: --nproc {a.nproc} but this process is one of {shard.world_size} ranks "
+                         f"(WORLD_SIZE); drop --nproc under torchrun.")
+    out = Path(from_rank0(str(out), shard))  # one name for every rank, even a default made of the time
+    path = rank_path(out, shard.rank) if shard.world_size > 1 else out
+    recorder = Recorder(path, argv=["mdi-trace", *argv])
     try:
         llm = LLM(a.model, device=a.device, enable_zos=a.zos, max_num_batched_tokens=a.max_num_batched_tokens,
                   max_num_seqs=a.max_num_seqs, num_kv_blocks=a.num_kv_blocks, num_state_slots=a.num_state_slots,
-                  tracer=recorder, seed=a.seed)
+                  tracer=recorder, seed=a.seed, shard=shard)
     except BaseException as e:
         recorder.file.close()
-        out.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         if isinstance(e, ValueError):
             raise SystemExit(f"mdi-trace: {e}") from None
         raise
@@ -293,10 +353,13 @@ def _record(a, argv: list[str]) -> int:
     rng = random.Random(a.seed)
     engine, interrupted, refused = llm.engine, False, None
     try:
-        requests = _requests(a, llm, rng)
-        ids = [engine.add_request(ids, params) for ids, params in requests]
-        cancel_at = {i: rng.randrange(p.max_tokens) for i, (_, p) in zip(ids, requests)
+        requests = _requests(a, llm, rng)  # every rank draws all of them, then serves its share
+        for prompt, params in requests:
+            engine.check_request(prompt, params)
+        ids = [engine.add_request(*requests[i]) for i in shard.requests(len(requests))]
+        cancel_at = {i: rng.randrange(p.max_tokens) for i, (_, p) in enumerate(requests)
                      if rng.random() < a.cancel_rate}
+        cancel_at = {i: k for i, k in cancel_at.items() if i in ids}
         start = time.perf_counter()
         interrupted = _run(engine, cancel_at, len(ids))
     except KeyboardInterrupt:  # before the run started
@@ -306,19 +369,41 @@ def _record(a, argv: list[str]) -> int:
     finally:
         engine.shutdown()  # writes the footer
     if refused:
-        out.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         raise SystemExit(f"mdi-trace: {refused}")
+    barrier(shard)  # every rank's footer is written
+    if shard.rank > 0:
+        return 130 if interrupted else 0
     if interrupted:
         print(f"mdi-trace: interrupted; the unfinished requests were cancelled and the trace is in {out}.",
               file=sys.stderr)
         return 130
     elapsed = time.perf_counter() - start
-    _print_summary(console, open_trace(out), f"recorded {out} in {elapsed:.1f} s", size=True)
-    q = shlex.quote(str(out))
+    for trace in open_run(out).traces:
+        _print_summary(console, trace, f"recorded {trace.path} in {elapsed:.1f} s", size=True)
+    q, one = shlex.quote(str(out)), shlex.quote(str(path))  # export takes one rank's log
     console.print(f"look at it:\n  [bold]mdi-trace info {q}[/]\n  [bold]mdi-trace verify {q}[/]\n"
-                  f"  [bold]mdi-trace export {q} --format perfetto -o run.json[/]  (then ui.perfetto.dev)",
+                  f"  [bold]mdi-trace export {one} --format perfetto -o run.json[/]  (then ui.perfetto.dev)",
                   soft_wrap=True)
     return 0
+
+
+def _launch_record(a, argv: list[str], out: Path) -> int:
+    """`record --nproc N`: the same command as N ranks (engine/launch.py), after the checks that would
+    otherwise fail in every rank at once."""
+    from engine.launch import launch
+    from model.config import PRESETS, ModelArgs, preset
+    from model.parallel import Shard
+
+    args = preset(a.model) if a.model in PRESETS and not Path(a.model).is_dir() else \
+        ModelArgs.load(Path(a.model) / "config.json")
+    Shard(0, a.nproc).experts(args.n_routed_experts)  # ConfigError unless N divides the routed experts
+    if a.device == "cuda":
+        import torch
+        if torch.cuda.device_count() < a.nproc:
+            raise SystemExit(f"mdi-trace: --nproc {a.nproc} on cuda needs {a.nproc} GPUs and "
+                             f"{torch.cuda.device_count()} are visible.")
+    return launch([sys.executable, "-m", "tui.cli", *argv, *([] if a.output else ["-o", str(out)])], a.nproc)
 
 
 # ---- info / export / verify ------------------------------------------------------------------------
@@ -355,10 +440,10 @@ def _info(a) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tracing.reader import open_trace
+    from tracing.ranks import open_run
 
-    trace = open_trace(a.trace)
-    h = trace.header
+    run = open_run(a.trace)
+    h = run.header
     m, e = h.get("model") or {}, h.get("engine") or {}
     t = Table(title=f"{a.trace}", show_header=False, title_justify="left")
     t.add_column(style="bold")
@@ -372,11 +457,15 @@ def _info(a) -> int:
             ("seed", h.get("seed")),
             ("time", h.get("time")),
             ("argv", shlex.join(map(str, h.get("argv") or [])))]
+    if run.world_size > 1:
+        rows.append(("ranks", f"{run.world_size} (EP x DP, run id {h.get('run_id')}): "
+                              + ", ".join(str(t.path.name) for t in run.traces)))
     for k, v in rows:
         t.add_row(k, str(v))
     console = Console()
     console.print(t)
-    _print_summary(console, trace, "summary")
+    for rank, trace in enumerate(run.traces):
+        _print_summary(console, trace, "summary" if run.world_size == 1 else f"rank {rank}: {trace.path.name}")
     return 0
 
 
@@ -394,19 +483,20 @@ def _export(a) -> int:
 
 def _verify(a) -> int:
     try:
-        from tracing.verify import verify
+        from tracing.verify import verify_run
     except ImportError as e:
         if e.name != "tracing.verify":
             raise
         raise SystemExit("mdi-trace: verify is not built yet (tracing/verify.py is missing).") from None
-    from tracing.reader import open_trace
+    from tracing.ranks import open_run
 
-    trace = open_trace(a.trace)
-    findings = verify(trace)
+    run = open_run(a.trace)  # one log, or every rank's log of a run and what ties them together
+    findings = verify_run(run)
     for f in findings:
         print(f)
-    if trace.cut:
-        print(f"note: {trace.cut}")
+    for rank in run.selected:
+        if run.traces[rank].cut:
+            print(f"note: {'' if run.world_size == 1 else f'rank {rank}: '}{run.traces[rank].cut}")
     print(f"{len(findings)} finding(s)" if findings else "no findings")
     return 1 if findings else 0
 
@@ -421,8 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = sys.modules.get("model.checkpoint")
         return (ConfigError, TraceError, OSError) + ((checkpoint.CheckpointError,) if checkpoint else ())
 
-    commands = {"checkpoint": _checkpoint_init, "generate": _generate, "info": _info, "export": _export,
-                "verify": _verify, "check": _check, "diff": _diff, "record": lambda a: _record(a, argv)}
+    commands = {"checkpoint": _checkpoint, "generate": _generate, "info": _info, "export": _export,
+                "verify": _verify, "check": _check, "diff": _diff, "record": lambda a: _record(a, argv),
+                "view": lambda a: __import__("tui.app").app.run_view(a.trace, a.follow, a.verify)}
     try:
         return commands[a.command](a)
     except user_errors() as e:

@@ -1,0 +1,123 @@
+"""Sparse attention with a sink (spec §2.8) as one Triton kernel: the gather of each query's KV rows, the
+scores, the online softmax and P·V, with the numerics of model/attention.py's `sparse_attn`.
+
+Mirrors the `sparse_attn` kernel of DeepSeek's inference/kernel.py. The torch path materialises every
+query's gathered rows ([B, S, 64, D] fp32 per block of the index list) and runs ~75 small ops per
+layer; this kernel reads each listed row once, where it lies (the paged model's window ring, this
+chunk's latents or the compressed entries in their KV blocks, through the block table: no gathered or
+concatenated copy), and keeps the running max, denominator and accumulator in registers. One program
+per query token, all heads together (padded to 16 rows for the tensor cores).
+
+Numerics, as the torch path: blocks of 64 indices in list order; scores from bf16 q and bf16 rows with
+fp32 accumulation, masked to -inf where the index is -1, then times the scale in fp32; the running max
+starts at -1e30 and leaves the sink out; probabilities exp(s - max) summed in fp32 for the denominator and
+rounded to bf16 for P·V (fp32 accumulation); the sink joins the denominator last. Dot products and exp
+may round differently from torch's (accumulation order, the exp implementation), so results agree
+within fp32 rounding before the final bf16 rounding, not bit for bit. bf16 only: the fp32 debugging mode
+keeps the torch path.
+"""
+import torch
+
+try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch path is the only path.
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+BLOCK_K = 64  # indices per online-softmax block (model/attention.py SPARSE_ATTN_BLOCK, spec §2.8)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sparse_attn_kernel(q_ptr, sink_ptr, idx_ptr, out_ptr, scale, S, H, L,
+                            sq_b, sq_s, sq_h, si_b, si_s, so_b, so_s, so_h,
+                            kv_ptr, NB, skv_b, skv_n,
+                            ring_delta, slots_ptr, W, sr_slot, sr_row,
+                            pool_delta, tables_ptr, st_b, PER_BLOCK, sp_blk, sp_row,
+                            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
+                            HAS_RING: tl.constexpr, HAS_POOL: tl.constexpr):
+        # The KV row of index j of batch row b lies in one of three sources (see `paged_sparse_attn`):
+        # j < W: the ring of b's state slot; W <= j < W + NB: kv[b, j - W]; beyond: compressed entry
+        # e = j - W - NB in the paged pool, at (tables[b, e // PER_BLOCK], e % PER_BLOCK). The ring and the
+        # pool are addressed from kv_ptr by their element distance (ring_delta, pool_delta), so each
+        # block of indices is one gathered load.
+        pid = tl.program_id(0)  # one query token: row b, position s
+        b, s = pid // S, pid % S
+        b64 = b.to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, D)
+        k = tl.arange(0, BLOCK)
+        q = tl.load(q_ptr + b64 * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :],
+                    mask=h[:, None] < H, other=0.0)  # [BLOCK_H, D] bf16
+        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        den = tl.zeros([BLOCK_H], dtype=tl.float32)
+        run_max = tl.full([BLOCK_H], -1e30, dtype=tl.float32)  # the sink is not in the max
+        idx_row = idx_ptr + b64 * si_b + s * si_s
+        if HAS_RING:
+            ring_row = ring_delta + tl.load(slots_ptr + b).to(tl.int64) * sr_slot
+        for t in range(0, L, BLOCK):
+            j = tl.load(idx_row + t + k, mask=t + k < L, other=-1).to(tl.int64)  # [BLOCK]
+            valid = j >= 0
+            offset = b64 * skv_b + (j - W) * skv_n  # [BLOCK] elements from kv_ptr
+            if HAS_RING:
+                offset = tl.where(j < W, ring_row + j * sr_row, offset)
+            if HAS_POOL:
+                e = j - W - NB
+                in_pool = valid & (e >= 0)
+                block = tl.load(tables_ptr + b64 * st_b + e // PER_BLOCK, mask=in_pool, other=0).to(tl.int64)
+                offset = tl.where(in_pool, pool_delta + block * sp_blk + (e % PER_BLOCK) * sp_row, offset)
+            rows = tl.load(kv_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK, D] bf16
+            scores = tl.dot(q, tl.trans(rows))  # [BLOCK_H, BLOCK] fp32
+            scores = tl.where(valid[None, :], scores, float("-inf")) * scale
+            prev = run_max
+            run_max = tl.maximum(prev, tl.max(scores, axis=1))
+            rescale = tl.exp(prev - run_max)
+            p = tl.exp(scores - run_max[:, None])
+            den = den * rescale + tl.sum(p, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(p.to(tl.bfloat16), rows)
+        sink = tl.load(sink_ptr + h, mask=h < H, other=0.0)
+        den = den + tl.exp(sink - run_max)
+        out = acc / den[:, None]
+        tl.store(out_ptr + b64 * so_b + s * so_s + h[:, None] * so_h + d[None, :],
+                 out.to(tl.bfloat16), mask=h[:, None] < H)
+
+
+def applies(q: torch.Tensor) -> bool:
+    """Whether the kernel serves these queries: bf16 on CUDA, a head dim that is a power of two >= 16."""
+    D = q.size(-1)
+    return triton is not None and q.is_cuda and q.dtype == torch.bfloat16 and D >= 16 and D & (D - 1) == 0
+
+
+def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.Tensor, kv: torch.Tensor,
+                      pool: torch.Tensor | None, tables: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Sparse attention over model/paged.py's sources in place, with no gathered copy: index j < W is a
+    window position in `ring` [slots, W, D] at row slots[b]; the next S indices are this chunk's window
+    latents kv [B, S, D]; the rest are compressed entries of `pool` [blocks, per_block, D] through the
+    block tables [B, nb]. ring/pool None: no such source. q [B,S,H,D] bf16, idx [B,S,L] -> [B,S,H,D] bf16."""
+    B, S, H, D = q.shape
+    assert q.dtype == kv.dtype == torch.bfloat16 and q.stride(-1) == kv.stride(-1) == 1
+    assert all(t is None or (t.dtype == kv.dtype and t.stride(-1) == 1) for t in (ring, pool))
+    idx = idx.contiguous()
+    out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device)
+    W = ring.size(1) if ring is not None else 0
+    element = kv.element_size()  # ring and pool addressed from kv by their distance in elements
+    delta = lambda t: (t.data_ptr() - kv.data_ptr()) // element  # noqa: E731
+    ring_args = (delta(ring), slots, W, ring.stride(0), ring.stride(1)) if ring is not None else (0, slots, 0, 0, 0)
+    pool_args = ((delta(pool), tables, tables.stride(0), pool.size(1), pool.stride(0), pool.stride(1))
+                 if pool is not None else (0, tables, 0, 1, 0, 0))
+    if B * S:
+        _sparse_attn_kernel[(B * S,)](q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1),
+                                      q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1),
+                                      out.stride(0), out.stride(1), out.stride(2),
+                                      kv, kv.size(1), kv.stride(0), kv.stride(1), *ring_args, *pool_args,
+                                      D=D, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK=BLOCK_K,
+                                      HAS_RING=ring is not None, HAS_POOL=pool is not None, num_warps=4)
+    return out
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """model/attention.py's `sparse_attn` in one launch: q [B,S,H,D] bf16, kv [B,N,D] bf16, sink [H] fp32,
+    idx [B,S,L] int (-1 = skip) -> [B,S,H,D] bf16. Never syncs the host."""
+    return paged_sparse_attn(q, None, idx, kv, None, idx, sink, idx, scale)

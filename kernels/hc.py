@@ -1,0 +1,149 @@
+"""Hyper-connections on CUDA (spec §3): the mixes (pre, post and the Sinkhorn-normalised comb of every token)
+in one Triton kernel, and the collapse (hc_pre) and expand (hc_post) in one each, replacing model/hc.py's
+torch ops on CUDA.
+
+Mirrors the `hc_split_sinkhorn` kernel of DeepSeek's inference/kernel.py. The torch path (model/hc.py) is
+about 90 small ops per call (20 Sinkhorn rounds of sums and divisions on [N, 4, 4]), 24 calls per forward
+of tiny-68m: at decode sizes that is launch overhead, not arithmetic. The kernel keeps a block of tokens'
+4x4 matrices in registers for all rounds.
+
+Numerics: the same operations in the same order as the torch path, in fp32, with IEEE division (div_rn)
+and exp through fp64; sums over 4 values may associate differently and the compiler may fuse a multiply
+and an add, so results agree with the torch path to a few fp32 ulps, not bit for bit. The CPU path stays
+the torch one (its bits are pinned by tests/test_golden.py); tests/test_kernels.py and tests/gpu compare.
+"""
+import torch
+
+try:  # Triton ships Linux wheels only; elsewhere model/hc.py's torch path is the only path.
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _exp(x):
+        """fp32 exp through fp64, rounded once: closer to torch's expf than the fast fp32 exp."""
+        return tl.exp(x.to(tl.float64)).to(tl.float32)
+
+    @triton.jit
+    def _sigmoid(x):
+        return tl.div_rn(1.0, 1.0 + _exp(-x))
+
+    @triton.jit
+    def _hc_split_sinkhorn_kernel(mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, N, iters,
+                                  hc_eps, HC: tl.constexpr, BLOCK: tl.constexpr):
+        # mixes [N, (2 + HC) * HC] fp32 (already times the rsqrt statistic); pre, post [N, HC]; comb [N, HC, HC]
+        M: tl.constexpr = (2 + HC) * HC
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+        live = rows < N
+        h = tl.arange(0, HC)
+        s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+
+        vec = rows[:, None] * M + h[None, :]  # [BLOCK, HC]
+        pre = _sigmoid(tl.load(mixes_ptr + vec, mask=live[:, None]) * s0 + tl.load(base_ptr + h)[None, :]) + hc_eps
+        post = 2.0 * _sigmoid(tl.load(mixes_ptr + vec + HC, mask=live[:, None]) * s1
+                              + tl.load(base_ptr + HC + h)[None, :])
+        out = rows[:, None] * HC + h[None, :]
+        tl.store(pre_ptr + out, pre, mask=live[:, None])
+        tl.store(post_ptr + out, post, mask=live[:, None])
+
+        jk = h[:, None] * HC + h[None, :]  # [HC, HC]: comb[j, k]
+        mask3 = live[:, None, None]
+        comb = (tl.load(mixes_ptr + rows[:, None, None] * M + 2 * HC + jk[None], mask=mask3, other=0.0) * s2
+                + tl.load(base_ptr + 2 * HC + jk)[None])  # [BLOCK, HC, HC]
+        comb = _exp(comb - tl.max(comb, axis=2)[:, :, None])
+        comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + hc_eps  # row softmax, + eps
+        comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)  # columns
+        for _ in range(iters - 1):
+            comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+            comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + rows[:, None, None] * (HC * HC) + jk[None], comb, mask=mask3)
+
+    @triton.jit
+    def _hc_mixes_kernel(h_ptr, fn_ptr, out_ptr, K, M, norm_eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # one token: mixes [M] = (x · fnᵀ) · rsqrt(mean(x²) + eps) for x = h [K] in fp32, fn [M, K] fp32
+        row = tl.program_id(0).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(h_ptr + row * K + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+            w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
+            acc += tl.sum(w * x[None, :], axis=1)  # fp32 products and sums, as torch's fp32 F.linear
+            squares += x * x
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(squares, axis=0), K.to(tl.float32)) + norm_eps))
+        tl.store(out_ptr + row * M + m, acc * rstd, mask=m < M)
+
+    @triton.jit
+    def _hc_pre_kernel(h_ptr, pre_ptr, out_ptr, D: tl.constexpr, HC: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one token: h [HC, D], pre [HC]
+        j, d = tl.arange(0, HC), tl.arange(0, D)
+        h = tl.load(h_ptr + row * HC * D + j[:, None] * D + d[None, :]).to(tl.float32)
+        pre = tl.load(pre_ptr + row * HC + j)
+        tl.store(out_ptr + row * D + d, tl.sum(pre[:, None] * h, axis=0).to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, HC: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one token: y [D], h [HC, D], post [HC], comb [HC, HC]
+        j, d = tl.arange(0, HC), tl.arange(0, D)
+        y = tl.load(y_ptr + row * D + d).to(tl.float32)
+        h = tl.load(h_ptr + row * HC * D + j[:, None] * D + d[None, :]).to(tl.float32)  # [HC (j), D]
+        post = tl.load(post_ptr + row * HC + j)  # [HC (k)]
+        comb = tl.load(comb_ptr + row * HC * HC + j[:, None] * HC + j[None, :])  # [HC (j), HC (k)]
+        mixed = tl.sum(comb[:, :, None] * h[:, None, :], axis=0)  # [HC (k), D]: Σ_j comb[j, k]·h_j
+        out = post[:, None] * y[None, :] + mixed
+        tl.store(out_ptr + row * HC * D + j[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty))
+
+
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """The mixes before the split, fp32 [..., M]: F.linear(x, fn) · rsqrt(mean(x²) + eps) for x the stream
+    h [..., hc, d] flattened to fp32, in one launch instead of six (model/hc.py's first two lines)."""
+    K, M = h.size(-2) * h.size(-1), fn.size(0)
+    x = h.contiguous().view(-1, K)
+    out = torch.empty(x.size(0), M, dtype=torch.float32, device=h.device)
+    if x.size(0):  # a program per token: a decode step's few rows still spread over the chip
+        _hc_mixes_kernel[(x.size(0),)](x, fn.contiguous(), out, K, M, norm_eps,
+                                       BLOCK_M=triton.next_power_of_2(M), BLOCK_K=128)
+    return out.view(*h.shape[:-2], M)
+
+
+def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                      hc_eps: float, block: int = 8):
+    """(pre [..., hc], post [..., hc], comb [..., hc, hc]) fp32 from mixes [..., (2+hc)·hc] fp32 (the HC
+    linear times its rsqrt statistic), scale [3], base [(2+hc)·hc]: model/hc.py's `hc_mixes` after its
+    GEMM, in one launch. hc must be a power of two (4 in V4.1). Never syncs the host. A program's 40 rounds
+    are a serial chain, so a few rows a program spread the rows of a decode step over the chip."""
+    lead = mixes.shape[:-1]
+    flat = mixes.reshape(-1, mixes.size(-1)).contiguous()
+    n = flat.size(0)
+    pre = torch.empty(n, hc, dtype=torch.float32, device=mixes.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(n, hc, hc, dtype=torch.float32, device=mixes.device)
+    if n:
+        _hc_split_sinkhorn_kernel[(triton.cdiv(n, block),)](flat, scale.contiguous(), base.contiguous(), pre, post,
+                                                            comb, n, iters, hc_eps, HC=hc, BLOCK=block)
+    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """model/hc.py's collapse in one launch: Σ_j pre_j·h_j in fp32, rounded to h's dtype. [..., hc, d] -> [..., d]."""
+    hc, d = h.shape[-2:]
+    h2, pre2 = h.contiguous(), pre.contiguous()
+    out = torch.empty(h.shape[:-2] + (d,), dtype=h.dtype, device=h.device)
+    if out.numel():
+        _hc_pre_kernel[(out.numel() // d,)](h2, pre2, out, D=d, HC=hc)
+    return out
+
+
+def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """model/hc.py's expand in one launch: copy k = post_k·y + Σ_j comb[j,k]·h_j in fp32, rounded once."""
+    hc, d = h.shape[-2:]
+    out = torch.empty(h.shape, dtype=y.dtype, device=y.device)
+    if out.numel():
+        _hc_post_kernel[(out.numel() // (hc * d),)](y.contiguous(), h.contiguous(), post.contiguous(),
+                                                    comb.contiguous(), out, D=d, HC=hc)
+    return out

@@ -1,0 +1,170 @@
+"""Issue #7's CUDA paths, compiled, against the torch paths they replace: the HC split + Sinkhorn kernel,
+the grouped MoE, and decode steps replayed from CUDA graphs. Skipped without CUDA (not a pass)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from test_engine import SAMPLED, assert_same_tokens, prompts  # noqa: E402
+
+import model.hc as hc  # noqa: E402
+from engine import LLM  # noqa: E402
+from kernels.hc import hc_split_sinkhorn  # noqa: E402
+from model.checkpoint import init_checkpoint, init_weights  # noqa: E402
+from model.config import preset  # noqa: E402
+from model.moe import MoE  # noqa: E402
+from model.transformer import Transformer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("n", [1, 64, 1000])
+def test_compiled_hc_sinkhorn_matches_the_torch_path(n):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    h = torch.randn(n, 4, 128, device="cuda", generator=g).bfloat16()
+    fn = torch.randn(24, 512, device="cuda", generator=g) * 0.1
+    scale, base = torch.randn(3, device="cuda", generator=g), torch.randn(24, device="cuda", generator=g)
+    x = h.flatten(-2).float()
+    mixes = F.linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-20)
+    got = hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
+    hc.USE_KERNEL = False
+    try:
+        want = hc.hc_mixes(h, fn, scale, base, 4, 20, 1e-6, 1e-20)
+    finally:
+        hc.USE_KERNEL = True
+    for name, a, b in zip(("pre", "post", "comb"), want, got):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=name)
+        print(f"{name}: {(a != b).float().mean().item():.2%} of values differ, max {(a - b).abs().max().item():.3g}")
+
+
+@pytest.mark.parametrize("shape", [(64, 1, 4, 128, 700, 192), (2, 300, 4, 128, 500, 192), (3, 5, 2, 64, 90, 130)])
+def test_compiled_sparse_attention_matches_the_torch_path(shape):
+    """Within fp32 rounding before the bf16 output, on rows with no index (0), on -1 padding anywhere in
+    the list, and on lists that are not a multiple of 64 long. A probability an fp32 ulp either side of a
+    bf16 rounding boundary moves P·V by a bf16 ulp of p (the absolute tolerance)."""
+    import model.attention as attention
+    from kernels.attention import sparse_attn
+
+    B, S, H, D, N, L = shape
+    g = torch.Generator(device="cuda").manual_seed(B * S)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=g)
+    idx = torch.randint(-1, N, (B, S, L), device="cuda", generator=g)
+    idx[0, 0] = -1
+    idx[-1, -1, L // 2:] = -1
+    out = torch.full((B, S, H, D), float("nan"), device="cuda").bfloat16()
+    out.copy_(sparse_attn(q, kv, sink, idx, D ** -0.5))
+    attention.USE_KERNELS = False
+    try:
+        want = attention.sparse_attn(q, kv, sink, idx, D ** -0.5)
+    finally:
+        attention.USE_KERNELS = True
+    assert not out.isnan().any() and torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+    torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -10)
+    print(f"{shape}: {(out != want).float().mean().item():.2%} of outputs differ")
+
+
+@pytest.mark.parametrize("S", [1, 150])
+def test_paged_sparse_attention_reads_ring_chunk_and_blocks_in_place(S):
+    """The paged form (window ring by state slot, this chunk's latents, compressed entries through the block
+    table) gives the bits of the plain kernel over the gathered, concatenated copy of the same rows."""
+    from kernels.attention import paged_sparse_attn, sparse_attn
+
+    B, H, D, W, per_block, n_blocks, L = 5, 4, 128, 128, 64, 40, 192
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+    ring = torch.randn(9, W, D, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, S, D, device="cuda", generator=g).bfloat16()
+    pool = torch.randn(n_blocks, per_block, D, device="cuda", generator=g).bfloat16()
+    slots = torch.randperm(9, device="cuda", generator=g)[:B]
+    tables = torch.randperm(n_blocks, device="cuda", generator=g)[:B * 6].view(B, 6)
+    sink = torch.randn(H, device="cuda", generator=g)
+    idx = torch.randint(-1, W + S + 6 * per_block, (B, S, L), device="cuda", generator=g)
+    got = paged_sparse_attn(q, ring, slots, kv, pool, tables, sink, idx, D ** -0.5)
+    gathered = torch.cat([ring[slots], kv, pool[tables].flatten(1, 2)], dim=1)
+    assert torch.equal(got, sparse_attn(q, gathered, sink, idx, D ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_quant_kernels_give_the_bits_of_model_quant(dtype):
+    from kernels import quant as quant_kernel
+    from model import quant
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(64, 12, 256, device="cuda", generator=g) * torch.logspace(-9, 3, 256, device="cuda")).to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for want, got in ((quant.act_quant_fp8(x, 32), quant_kernel.act_quant_fp8(x, 32)),
+                      (quant.act_quant_fp4(x, 32, "ue8m0"), quant_kernel.act_quant_fp4(x, 32, "ue8m0")),
+                      (quant.act_quant_fp4(x, 16, "e4m3"), quant_kernel.act_quant_fp4(x, 16, "e4m3"))):
+        assert torch.equal(got.view(bits), want.view(bits))
+
+
+@pytest.mark.parametrize("n", [96, 128])
+def test_compiled_rms_norm_and_hc_kernels_match_the_torch_paths(n):
+    import model.attention as attention
+    from kernels import hc as hc_kernel
+    from kernels.norm import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    norm = attention.RMSNorm(n, 1e-20).cuda()
+    norm.weight.data = torch.randn(n, device="cuda", generator=g).bfloat16()
+    x = (torch.randn(300, n, device="cuda", generator=g) * 3).bfloat16()
+    got = rms_norm(x, norm.weight, 1e-20)
+    attention.USE_KERNELS = False
+    try:
+        want = norm(x)
+    finally:
+        attention.USE_KERNELS = True
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)  # within a bf16 ulp
+    h = torch.randn(300, 4, 128, device="cuda", generator=g).bfloat16()
+    y = torch.randn(300, 128, device="cuda", generator=g).bfloat16()
+    pre, post, comb = (torch.rand(300, *s, device="cuda", generator=g) for s in ((4,), (4,), (4, 4)))
+    hc.USE_KERNEL = False
+    try:
+        want_pre, want_post = hc.hc_pre(h, pre), hc.hc_post(y, h, post, comb)
+    finally:
+        hc.USE_KERNEL = True
+    torch.testing.assert_close(hc_kernel.hc_pre(h, pre), want_pre, rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(hc_kernel.hc_post(y, h, post, comb), want_post, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_grouped_moe_matches_the_masked_path_on_cuda(rows):
+    m = Transformer(preset("tiny-68m"))
+    init_weights(m.named_parameters(), seed=0)
+    moe = m.layers[5].ffn.cuda()
+    x = (torch.randn(rows, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(rows)) * 2).bfloat16()
+    got = moe(x)
+    MoE.grouped = False
+    try:
+        want = moe(x)
+    finally:
+        MoE.grouped = True
+    print(f"rows {rows}: {(got != want).float().mean().item():.2%} of outputs differ, "
+          f"max {(got.float() - want.float()).abs().max().item():.3g}")
+    torch.testing.assert_close(got, want, rtol=2 ** -6, atol=1e-3)  # a one-ulp flip of the bf16 hidden moves it ~2 ulps
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("micro")
+    init_checkpoint("micro", 0, path)
+    return str(path)
+
+
+def test_decode_graphs_give_the_tokens_of_eager_steps(ckpt):
+    """Graph replays (padded batch, bucketed context) against eager decode steps: the same tokens up to
+    a named near tie; and a step's graph really is replayed."""
+    ps = prompts(seed=6)
+    graphs = LLM(ckpt, device="cuda")
+    on = [o.token_ids for o in graphs.generate(ps, SAMPLED, progress=False)]
+    assert graphs.engine.runner.graphs, "no decode step ran through a CUDA graph"
+    eager = LLM(ckpt, device="cuda")
+    eager.engine.runner.use_cuda_graphs = False
+    off = [o.token_ids for o in eager.generate(ps, SAMPLED, progress=False)]
+    assert not eager.engine.runner.graphs
+    assert assert_same_tokens(graphs, ps, SAMPLED, on, off) >= 24

@@ -1,0 +1,180 @@
+"""The CUDA compute paths of issue #7 against the torch paths they replace, on CPU tensors.
+
+The HC split + Sinkhorn kernel runs here through Triton's interpreter (conftest sets TRITON_INTERPRET=1
+without CUDA); the grouped MoE is plain torch and runs on CPU tensors as it does on CUDA. Both are
+checked compiled on the GPU by tests/gpu/test_kernels_gpu.py. The CPU forward itself never takes these
+paths, so the golden bits are untouched.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import hc as hc_kernel
+from model import hc
+from model.checkpoint import init_weights
+from model.config import preset
+from model.transformer import Transformer
+
+needs_interpreter = pytest.mark.skipif(
+    hc_kernel.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by conftest without CUDA); tests/gpu covers CUDA")
+
+
+def hc_inputs(n: int, hc_mult: int = 4, d: int = 32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hc_mult, d, generator=g).bfloat16()
+    fn = torch.randn((2 + hc_mult) * hc_mult, hc_mult * d, generator=g) * 0.2
+    return h, fn, torch.randn(3, generator=g), torch.randn((2 + hc_mult) * hc_mult, generator=g)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n", [1, 37, 130])
+def test_hc_sinkhorn_kernel_matches_the_torch_path(n):
+    """Same operations in the same order; only 4-term sums may associate differently: a few fp32 ulps."""
+    h, fn, scale, base = hc_inputs(n, seed=n)
+    want = hc.hc_mixes(h, fn, scale, base, 4, 20, 1e-6, 1e-20)
+    x = h.flatten(-2).float()
+    mixes = F.linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-20)
+    got = hc_kernel.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
+    for name, a, b in zip(("pre", "post", "comb"), want, got):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(b, a, rtol=4e-7, atol=4e-7, msg=name)
+    comb = got[2]
+    torch.testing.assert_close(comb.sum(-2), torch.ones(n, 4), rtol=0, atol=1e-4)  # doubly stochastic
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n", [1, 20])
+def test_hc_mixes_kernel_matches_the_torch_gemm_and_statistic(n):
+    h, fn, _, _ = hc_inputs(n, d=64, seed=n + 100)
+    x = h.flatten(-2).float()
+    want = F.linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(hc_kernel.hc_mixes(h, fn, 1e-20), want, rtol=1e-5, atol=1e-5)  # sum order
+
+
+@pytest.fixture(scope="module")
+def moe():
+    m = Transformer(preset("micro"))
+    init_weights(m.named_parameters(), seed=0)
+    return m.layers[3].ffn
+
+
+def reference_moe(moe, x):
+    """The official per-expert loop (the CPU path of MoE.forward), routed sum in fp32 plus shared."""
+    weights, ids = moe.gate(x)
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.where(ids == e)
+        y[rows] += moe.experts[e](x[rows], weights[rows, slot, None])
+    return y + moe.shared_experts(x)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_grouped_moe_matches_the_official_loop(moe, rows, monkeypatch):
+    """Stacked weights, all experts on every row, each row keeping its own k in ascending expert id:
+    the per-row arithmetic of the loop. On CPU the GEMMs of different shapes round alike here."""
+    x = (torch.randn(rows, moe.gate.weight.size(1), generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
+    weights, ids = moe.gate(x)
+    want = reference_moe(moe, x)
+    got = moe.grouped_forward(x, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(type(moe), "GROUPED_ROWS", 2)  # passes of 2 rows give the same rows
+    torch.testing.assert_close(moe.grouped_forward(x, weights, ids), got, rtol=0, atol=0)
+
+
+def test_stacked_expert_weights_follow_a_weight_change(moe):
+    w13, _ = moe.stacked_weights()
+    before = w13.clone()
+    with torch.no_grad():
+        moe.experts[1].w3.weight.mul_(2)
+    try:
+        w13_after, _ = moe.stacked_weights()
+        assert not torch.equal(w13_after, before)
+        torch.testing.assert_close(w13_after.view(len(moe.experts) + 1, 2, -1, w13.size(-1))[1, 1],
+                                   moe.experts[1].w3.weight)
+    finally:
+        with torch.no_grad():
+            moe.experts[1].w3.weight.div_(2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quant_kernels_give_the_bits_of_model_quant(dtype):
+    """FP8 (ue8m0/32) and FP4 (ue8m0/32, e4m3/16) sims: every value, sign of zero included, over 11 decades,
+    all-zero and tiny groups, and values on rounding boundaries."""
+    from kernels import quant as quant_kernel
+    from model import quant
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 4, 128, generator=g) * torch.logspace(-9, 3, 128)
+    x[0, 0, :32], x[0, 1, :32], x[0, 2, :32] = 0.0, -0.0, 1e-30
+    x[1, 0, :16] = torch.tensor([448 * 2.0**-5, -0.75, 1.25, 2.5, 3.5, 5.0, 0.25, 1.75] * 2)
+    x = x.to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for want, got in ((quant.act_quant_fp8(x, 32), quant_kernel.act_quant_fp8(x, 32)),
+                      (quant.act_quant_fp4(x, 32, "ue8m0"), quant_kernel.act_quant_fp4(x, 32, "ue8m0")),
+                      (quant.act_quant_fp4(x, 16, "e4m3"), quant_kernel.act_quant_fp4(x, 16, "e4m3"))):
+        assert torch.equal(got.view(bits), want.view(bits))
+
+
+@needs_interpreter
+def test_rms_norm_kernel_matches_the_torch_path():
+    """fp32 in and out (the interpreter's bf16 casts truncate; tests/gpu checks bf16 compiled)."""
+    from kernels.norm import rms_norm
+    from model.attention import RMSNorm
+
+    for n in (64, 96, 128):
+        norm = RMSNorm(n, 1e-20)
+        norm.weight.data = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        x = torch.randn(3, 7, n, generator=torch.Generator().manual_seed(n + 1)) * 3
+        torch.testing.assert_close(rms_norm(x, norm.weight, 1e-20), norm(x), rtol=3e-7, atol=3e-7)
+
+
+@needs_interpreter
+def test_hc_collapse_and_expand_kernels_match_the_torch_path():
+    g = torch.Generator().manual_seed(2)
+    h, y = torch.randn(3, 5, 4, 64, generator=g), torch.randn(3, 5, 64, generator=g)
+    pre, post, comb = torch.rand(3, 5, 4, generator=g), torch.rand(3, 5, 4, generator=g), torch.rand(3, 5, 4, 4, generator=g)
+    torch.testing.assert_close(hc_kernel.hc_pre(h, pre), hc.hc_pre(h, pre), rtol=3e-7, atol=3e-7)
+    torch.testing.assert_close(hc_kernel.hc_post(y, h, post, comb), hc.hc_post(y, h, post, comb), rtol=3e-7, atol=3e-7)
+
+
+@needs_interpreter
+def test_swiglu_route_kernel_matches_the_grouped_torch_path(moe):
+    """Within a bf16 ulp (the interpreter's bf16 cast truncates; tests/gpu checks the compiled kernel)."""
+    from kernels.moe import swiglu_route
+
+    x = (torch.randn(7, moe.gate.weight.size(1), generator=torch.Generator().manual_seed(7)) * 2).bfloat16()
+    weights, ids = moe.gate(x)
+    w13, _ = moe.stacked_weights()
+    E = len(moe.experts)
+    gu = F.linear(x, w13).unflatten(-1, (E + 1, 2, -1))
+    g, u = gu[:, :, 0].float(), gu[:, :, 1].float().clamp(-10, 10)
+    route = torch.zeros(7, E + 1).scatter_(1, ids, weights)
+    route[:, E] = 1.0
+    want = (route.unsqueeze(-1) * F.silu(g.clamp(max=10)) * u).transpose(0, 1)
+    torch.testing.assert_close(swiglu_route(gu, ids, weights, 10.0).float(), want, rtol=2 ** -7, atol=1e-6)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("S", [1, 7])
+def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
+    """The paged kernel reads a row's window ring (by state slot), its chunk's latents and its compressed
+    entries (through the block table) where they lie: the same result as the plain kernel over their
+    gathered copy. (The interpreter's bf16 dot is not faithful, so the numerics against the torch path are
+    checked compiled, in tests/gpu; here both sides run the same interpreted arithmetic.)"""
+    from kernels.attention import paged_sparse_attn, sparse_attn
+
+    B, H, D, W, per_block, n_blocks, L = 3, 2, 16, 8, 4, 12, 24
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(B, S, H, D, generator=g).bfloat16()
+    ring, kv = torch.randn(5, W, D, generator=g).bfloat16(), torch.randn(B, S, D, generator=g).bfloat16()
+    pool = torch.randn(n_blocks, per_block, D, generator=g).bfloat16()
+    slots, tables = torch.randperm(5, generator=g)[:B], torch.randperm(n_blocks, generator=g)[:B * 3].view(B, 3)
+    sink = torch.randn(H, generator=g)
+    idx = torch.randint(-1, W + S + 3 * per_block, (B, S, L), generator=g)
+    gathered = torch.cat([ring[slots], kv, pool[tables].flatten(1, 2)], dim=1)
+    assert torch.equal(paged_sparse_attn(q, ring, slots, kv, pool, tables, sink, idx, D ** -0.5),
+                       sparse_attn(q, gathered, sink, idx, D ** -0.5))

@@ -1,0 +1,470 @@
+"""`mdi-trace view` driven by keys (App.run_test and Pilot) on the committed example trace: every view is
+reachable by its key and shows the selected step, the jumps (step, time, request, event kind, command
+palette) move the selection every view shares, the timeline zooms, pans and finds idle gaps, the events
+view searches and filters, and a cut-short, a growing (--follow) and a damaged log each end well."""
+import asyncio
+import io
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from tracing.schema import KIND
+from tui.app import TraceApp
+from tui.data import TraceModel
+from tui.dialogs import Ask
+from tui.help import HelpScreen
+from tui.lines import LineList
+from tui.views.timeline import TimelineChart
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "traces" / "examples" / "micro-preempt-cancel.mdt"
+SIZE = (120, 36)
+
+
+async def ready(pilot):
+    """Wait for the index worker, then for the app to settle."""
+    app = pilot.app
+    for _ in range(500):
+        if app.model.ready and app.generation > 0 or app.error:
+            break
+        await asyncio.sleep(0.01)
+    await pilot.pause()
+
+
+def notes(app) -> str:
+    """Every notification the app has shown."""
+    return " ".join(n.message for n in app._notifications)
+
+
+def shown_text(widget) -> str:
+    """The text a Static shows, rendered as plain text."""
+    console = Console(width=200, file=io.StringIO(), record=True)
+    console.print(widget.content)
+    return console.export_text()
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = TraceModel(EXAMPLE)
+    m.load()
+    return m
+
+
+@pytest.mark.asyncio
+async def test_each_view_is_reached_by_its_key_and_named_on_screen():
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        bar = app.query_one("#viewbar")
+        assert "indexing" not in shown_text(bar) and "step 0 · request 0" in shown_text(bar)
+        for key, name, title in (("2", "TimelineView", "Timeline"), ("3", "StepsView", "Steps"),
+                                 ("4", "RequestsView", "Requests"), ("5", "ResourcesView", "Resources"),
+                                 ("6", "EventsView", "Events"), ("1", "OverviewView", "Overview")):
+            await pilot.press(key)
+            assert app.view == name and app.query_one("ContentSwitcher").current == name
+            assert f"{key} {title}" in shown_text(bar)
+        overview = shown_text(app.query_one("#overview"))
+        for word in ("16; finished: abort 1, length 15", "176 (24 prefill, 152 decode)", "computed tokens/s",
+                     "ZOS overlap", "idle gaps"):
+            assert word in overview, word
+
+
+@pytest.mark.asyncio
+async def test_the_selected_step_is_shared_by_every_view(model):
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("3", "down", "down", "full_stop")     # the step list's cursor, then the global key
+        assert app.step_row == 3
+        assert app.query_one("#step-list", LineList).cursor == 3
+        assert "step 3:" in model.step_detail(3)[0]
+        await pilot.press("2")
+        assert app.query_one(TimelineChart).selected == 3
+        await pilot.press("comma", "5")
+        assert app.step_row == 2 and shown_text(app.query_one("#resources")).startswith("step 2:")
+        await pilot.press("6")
+        events = app.query_one("#event-list", LineList)
+        assert app.query_one("EventsView").shown[events.cursor] == model.sched_event[2]
+        await pilot.press("down")   # an event of another step moves the step everywhere
+        assert app.step_row == model.row_of_event(int(model.sched_event[2]) + 1)
+
+
+@pytest.mark.asyncio
+async def test_steps_detail_lists_each_row_with_its_block_table_and_sampled_token(model):
+    e = model.schedule_event(40)
+    lines = model.step_detail(40)
+    assert len(lines) == 3 + len(e.rows)
+    for raw, line in zip(e.rows, lines[3:]):
+        seq, epoch, start, tokens, table, slot = raw[:6]
+        assert line.split()[:4] == [str(seq), str(epoch), str(start), str(len(tokens))]
+        assert " ".join(map(str, table)) in line and f" {slot} " in line
+    tokens = {model.index.event_at(i).seq_id: model.index.event_at(i).token_id
+              for i in model.index.events_of_step(int(model.steps.step[40])) if model.index.kind[i] == 10}
+    for raw, line in zip(e.rows, lines[3:]):
+        if raw[6]:
+            assert str(tokens[raw[0]]) in line.split()
+
+
+@pytest.mark.asyncio
+async def test_go_to_step_time_and_request_from_keys(model):
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("g", *"40", "enter")
+        assert model.steps.step[app.step_row] == 40 and app.view == "StepsView"
+        await pilot.press("g", *"99999", "enter")           # no such step: a notification, the same step
+        assert model.steps.step[app.step_row] == 40 and "no step 99999" in notes(app)
+        t = int(model.steps.schedule_start[100]) + 1
+        await pilot.press("t", *f"{t}ns", "enter")
+        assert app.step_row == 100
+        await pilot.press("t", *"soon", "enter")
+        assert app.step_row == 100
+        await pilot.press("r", *"3", "enter")
+        assert app.view == "RequestsView" and app.seq_id == 3
+        assert shown_text(app.query_one("#lifeline-head")).startswith("request 3: arrived")
+        assert app.query_one("#lifeline", LineList).count == len(model.index.events_of_request(3))
+
+
+@pytest.mark.asyncio
+async def test_next_and_previous_event_of_a_kind(model):
+    preempts = model.index.events_of_kind("preempt")
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("k", *"preempt", "enter")
+        assert app.event_index == preempts[0]
+        await pilot.press("right_square_bracket")
+        assert app.event_index == preempts[1]
+        assert app.step_row == model.row_of_event(int(preempts[1]))
+        await pilot.press("left_square_bracket", "left_square_bracket")   # none before the first: stays
+        assert app.event_index == preempts[0]
+        await pilot.press("k", *"preemption", "enter")                    # not a kind: a notification
+        assert app.kind == "preempt" and "no event kind 'preemption'" in notes(app)
+
+
+@pytest.mark.asyncio
+async def test_command_palette_jumps():
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+p", *"step 12")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.model.steps.step[app.step_row] == 12
+        await pilot.press("ctrl+p", *"next cancel")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.model.index.kind[app.event_index] == 9
+
+
+@pytest.mark.asyncio
+async def test_timeline_zoom_pan_fit_and_idle_gaps(model):
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("2")
+        chart = app.query_one(TimelineChart)
+        t0, span = chart.t0, chart.span
+        await pilot.press("plus")
+        assert chart.span == span // 2
+        await pilot.press("minus", "minus")
+        assert chart.span == (span // 2) * 4
+        before = chart.t0
+        await pilot.press("right")
+        assert chart.t0 == before + chart.span // 8
+        await pilot.press("0")
+        lanes = model.lanes
+        assert (chart.t0, chart.span) == (lanes.t_min, lanes.t_max - lanes.t_min)
+        await pilot.press("L")     # the longest device idle gap: its step is selected
+        assert app.step_row == lanes.gap_row[np.argmax(lanes.gap_len)]
+        assert "device idle" in shown_text(app.query_one("#timeline-info"))
+        await pilot.press("i")
+        after = lanes.gap_row[lanes.gap_start > lanes.gap_start[np.argmax(lanes.gap_len)]][0]
+        assert app.step_row == after
+
+
+@pytest.mark.asyncio
+async def test_timeline_draws_every_lane_and_marks_overlap_and_idle(model):
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=(160, 30)) as pilot:
+        await ready(pilot)
+        await pilot.press("2")
+        chart = app.query_one(TimelineChart)
+        rows = [chart.render_line(y).text for y in range(9)]
+        assert [r.split()[0] for r in rows[:7]] == ["time", "schedule", "execute", "process", "device", "overlap",
+                                                    "idle"]
+        assert all("█" in r or "▒" in r for r in rows[1:5])
+        # ZOS: step 1 is scheduled while the device runs step 0, and the overlap row says so there
+        lo, hi = chart.columns()
+        col = int(np.searchsorted(lo, model.steps.schedule_start[1], "right")) - 1
+        assert rows[5][10 + col] == "▀"
+        s = model.steps   # every column, against a naive scan of the spans: CPU and device both busy there
+        def busy(starts, ends, a, b):
+            return any(st >= 0 and st < b and en > a for st, en in zip(starts, ends))
+        for c, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+            cpu = any(busy(x, y, a, b) for x, y in ((s.schedule_start, s.schedule_end),
+                                                    (s.execute_start, s.execute_end), (s.process_start, s.process_end)))
+            want = "▀" if cpu and busy(s.device_start, s.device_end, a, b) else " "
+            assert rows[5][10 + c] == want, c
+        gap = int(np.argmax(model.lanes.gap_len))   # zoomed onto a gap, the idle row shows it and its length
+        chart.t0, chart.span = int(model.lanes.gap_start[gap]) - 1000, int(model.lanes.gap_len[gap]) * 2
+        await pilot.pause()
+        idle = chart.render_line(6).text
+        assert "━" in idle and idle.count("━") < len(idle) and "µs" in idle
+
+
+@pytest.mark.asyncio
+async def test_requests_view_lifeline_and_enter_selects_the_events_step(model):
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("4", "down", "down")
+        assert app.seq_id == 2
+        evs = model.index.events_of_request(2)
+        lines = [model.lifeline_line(2, int(i)) for i in evs]
+        assert "request_added" in lines[0] and "finish" in lines[-1]
+        assert sum("prefill chunk" in s or " decode " in s for s in lines) == \
+            int(np.count_nonzero(model.index.kind[evs] == 1))
+        await pilot.press("tab", "end", "enter")
+        assert app.event_index == evs[-1] and app.step_row == model.row_of_event(int(evs[-1]))
+
+
+@pytest.mark.asyncio
+async def test_resources_view_shows_owners_at_the_selected_step(model):
+    # a naive replay of the block and slot events up to step 60's schedule event
+    blocks, slots = {}, {}
+    for i in range(int(model.sched_event[60]) + 1):
+        e = model.index.event_at(i)
+        if e.kind == "block_alloc":
+            blocks.update({b: e.seq_id for b in e.block_ids})
+        elif e.kind == "block_free":
+            [blocks.pop(b) for b in e.block_ids]
+        elif e.kind == "slot_alloc":
+            slots[e.slot] = e.seq_id
+        elif e.kind == "slot_free":
+            slots.pop(e.slot)
+    owners_b, owners_s = model.owners(60)
+    assert {b: s for b, s in enumerate(owners_b.tolist()) if s >= 0} == blocks
+    assert {b: s for b, s in enumerate(owners_s.tolist()) if s >= 0} == slots
+    assert model.blocks_in_use[60] == len(blocks) and model.slots_in_use[60] == len(slots)
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("g", *"60", "enter", "5")
+        text = shown_text(app.query_one("#resources"))
+        assert f"KV blocks {len(blocks)}/16 owned" in text and f"state slots {len(slots)}/8 owned" in text
+        for b, s in blocks.items():
+            assert f"{b}:{s}" in text
+
+
+@pytest.mark.asyncio
+async def test_events_view_search_filter_and_bad_input(model):
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("6", "slash", *"stale", "enter")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        view, events = app.query_one("EventsView"), app.query_one("#event-list", LineList)
+        stale = [i for i in range(len(model.index)) if model.index.kind[i] == 10 and
+                 not model.index.event_at(i).appended]
+        assert view.shown[events.cursor] == stale[0]
+        await pilot.press("n")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert view.shown[events.cursor] == stale[1]
+        await pilot.press("f", *"kind=preempt,cancel step=50:", "enter")
+        want = [i for i in np.flatnonzero(np.isin(model.index.kind, [8, 9])) if model.index.step[i] >= 50]
+        assert list(view.shown) == want and "kind=preempt,cancel" in shown_text(app.query_one("#event-status"))
+        await pilot.press("f", *"kind=nothing", "enter")       # a bad filter: a notification, the same filter
+        assert list(view.shown) == want and "no event kind 'nothing'" in notes(app)
+        await pilot.press("x")
+        assert len(view.shown) == len(model.index)
+        await pilot.press("slash", *"(unclosed", "enter")
+        assert "missing )" in notes(app)
+
+
+@pytest.mark.asyncio
+async def test_help_screen_and_q_quits():
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("g")
+        assert isinstance(app.screen, Ask)
+        await pilot.press("escape", "q")
+        await pilot.pause()
+    assert app.return_code == 0 and app.error is None
+
+
+@pytest.mark.asyncio
+async def test_a_cut_short_log_opens_with_a_warning(tmp_path):
+    data = EXAMPLE.read_bytes()
+    cut = tmp_path / "cut.mdt"
+    cut.write_bytes(data[:len(data) // 2])
+    app = TraceApp(str(cut))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        warnings = shown_text(app.query_one("#warnings"))
+        assert "the log was cut short" in warnings
+        assert len(app.model.steps) < 176
+        await pilot.press("3", "end")
+        assert app.step_row == len(app.model.steps) - 1
+
+
+@pytest.mark.asyncio
+async def test_a_damaged_log_ends_the_app_with_one_sentence(tmp_path):
+    data = bytearray(EXAMPLE.read_bytes())
+    bad = tmp_path / "bad.mdt"
+    data[len(data) // 2:len(data) // 2 + 64] = b"\xc1" * 64      # 0xc1: never used by msgpack
+    bad.write_bytes(bytes(data))
+    app = TraceApp(str(bad))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.pause()
+    assert app.return_code == 2 and "is damaged at byte" in app.error and "\n" not in app.error
+
+
+@pytest.mark.asyncio
+async def test_follow_reindexes_a_growing_log_until_it_is_complete(tmp_path, monkeypatch):
+    monkeypatch.setattr("tui.app.FOLLOW_EVERY", 0.05)
+    data = EXAMPLE.read_bytes()
+    live = tmp_path / "live.mdt"
+    live.write_bytes(data[:len(data) // 3])
+    app = TraceApp(str(live), follow=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        first = len(app.model.steps)
+        assert app.follow and "following" in shown_text(app.query_one("#viewbar"))
+        await pilot.press("3", "end")
+        with open(live, "ab") as f:
+            f.write(data[len(data) // 3:])
+        for _ in range(300):
+            if len(app.model.steps) == 176 and not app.follow:
+                break
+            await asyncio.sleep(0.02)
+        await pilot.pause()
+        assert first < 176 == len(app.model.steps) and not app.follow
+        assert app.step_row == 175   # it was at the tail, so it stays at the tail
+
+
+@pytest.mark.asyncio
+async def test_verify_findings_reach_the_overview(tmp_path):
+    app = TraceApp(str(EXAMPLE), verify=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        for _ in range(600):
+            if app.verify_lines is not None:
+                break
+            await asyncio.sleep(0.05)
+        await pilot.pause()
+        assert app.verify_lines == ["no findings"], app.verify_lines
+        assert "verify: no findings" in shown_text(app.query_one("#warnings"))
+
+
+def test_the_data_model_imports_no_textual_torch_or_engine():
+    import subprocess
+    import sys
+    code = ("import sys; import tui.data, tui.format, tui.lanes, tracing.index; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('textual', 'torch', 'engine')]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    code = "import sys; import tui.app; print([m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_cli_bad_input_is_one_sentence_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    empty = tmp_path / "empty.mdt"
+    empty.write_bytes(b"")
+    shutil.copy(EXAMPLE, tmp_path / "ok.mdt")
+    for args, words in (([str(tmp_path / "missing.mdt")], "cannot read"), ([str(empty)], "is empty"),
+                        ([str(root / "README.md")], "not an mdi-trace log"),
+                        ([str(tmp_path / "ok.mdt"), "--colour"], "unrecognized arguments")):
+        out = subprocess.run([sys.executable, "-m", "tui.cli", "view", *args], capture_output=True, text=True,
+                             cwd=root, timeout=60)
+        assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.asyncio
+async def test_remaining_keys_center_previous_gap_previous_match_and_paging(model):
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("2", "L", "I")                 # the gap before the longest one
+        lanes = model.lanes
+        longest = int(np.argmax(lanes.gap_len))
+        assert app.step_row == lanes.gap_row[longest - 1]
+        chart = app.query_one(TimelineChart)
+        await pilot.press("c")                           # the selected step's schedule span in the middle
+        mid = chart.t0 + chart.span // 2
+        assert abs(mid - model.steps.schedule_start[app.step_row]) <= 1
+        await pilot.press("3", "home")
+        assert app.step_row == 0
+        steps = app.query_one("#step-list", LineList)
+        await pilot.press("pagedown")
+        assert app.step_row == steps.size.height - 1
+        await pilot.press("pageup")
+        assert app.step_row == 0
+        await pilot.press("6", "end", "slash", *"preempt$", "enter")   # wraps nowhere: no later match
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "no more matches" in shown_text(app.query_one("#event-status"))
+        await pilot.press("N")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        view = app.query_one("EventsView")
+        events = app.query_one("#event-list", LineList)
+        last = model.index.events_of_kind("preempt")[-1]
+        assert view.shown[events.cursor] == last
+
+
+def _rewrite(tmp_path, name, change):
+    """A copy of the example whose events went through `change(kind_name, fields)` (no footer: cut short)."""
+    import msgpack
+
+    from tracing.reader import TraceFile
+    src = TraceFile(EXAMPLE)
+    out = msgpack.packb(src.header, use_bin_type=True)
+    for e in src.events():
+        fields = list(e.fields)
+        change(e.kind, fields)
+        out += msgpack.packb([KIND[e.kind], *fields], use_bin_type=True)
+    path = tmp_path / name
+    path.write_bytes(out)
+    return path
+
+
+@pytest.mark.asyncio
+async def test_malformed_fields_give_a_sentence_or_a_marked_line_never_a_traceback(tmp_path):
+    def bad_reason(kind, f):
+        if kind == "finish":
+            f[3] = "stop"          # a string where an enum code belongs
+    app = TraceApp(str(_rewrite(tmp_path, "reason.mdt", bad_reason)))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+    assert app.return_code == 2 and "is damaged at byte" in app.error and "malformed finish event" in app.error
+
+    def bad_table(kind, f):
+        if kind == "schedule":
+            for row in f[3]:
+                row[4] = 7         # a block_table that is not a list
+    app = TraceApp(str(_rewrite(tmp_path, "table.mdt", bad_table)))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("3", "down", "4", "down", "tab", "down", "5", "6", "down", "2", "1")
+        assert app.error is None and "a malformed row" in app.model.step_detail(1)[3]
+        assert "malformed schedule event" in app.model.lifeline_line(0, int(app.model.sched_event[0]))

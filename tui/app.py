@@ -1,0 +1,356 @@
+"""`mdi-trace view`: the Textual app over one log (ARCHITECTURE.md §7).
+
+The app owns the selection, shared by every view, in reactive attributes: `step_row` (a row of the
+index's StepTable), `seq_id` (a request) and `event_index` (an event). Views ask for a change with the
+messages of tui/messages.py; only the view on screen redraws when the selection moves, the others catch up
+when shown. The log is indexed in a worker thread after the first paint (the header and footer are read
+at once), `--follow` re-indexes a log that grows, and `--verify` runs `mdi-trace verify` in a subprocess
+(the viewer itself imports neither torch nor engine/).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from rich.text import Text
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.reactive import reactive
+from textual.widgets import ContentSwitcher, Static
+from textual.worker import get_current_worker
+
+from tracing.reader import TraceError
+from tui.data import KIND_NAMES, TraceModel
+from tui.dialogs import Ask, JumpCommands
+from tui.format import parse_int, parse_time
+from tui.help import HelpScreen
+from tui.keybar import KeyBar
+from tui.messages import EventChosen, Loaded, Progress, RequestChosen, StepChosen, Verified
+from tui.views.base import View
+from tui.views.events import EventsView
+from tui.views.overview import OverviewView
+from tui.views.requests import RequestsView
+from tui.views.resources import ResourcesView
+from tui.views.steps import StepsView
+from tui.views.timeline import TimelineView
+
+VIEWS = (OverviewView, TimelineView, StepsView, RequestsView, ResourcesView, EventsView)
+FOLLOW_EVERY = 1.0     # seconds between two looks at a followed log's size
+VERIFY_TIMEOUT = 600   # seconds
+
+
+class TraceApp(App):
+    """One log, six views. `error` holds the sentence that ended the app, if a damaged log did."""
+
+    TITLE = "mdi-trace view"
+    CSS = """
+    #viewbar { height: 1; background: $panel; }
+    ContentSwitcher { height: 1fr; }
+    """
+    COMMANDS = App.COMMANDS | {JumpCommands}
+    BINDINGS = [*(Binding(v.key, f"view('{v.__name__}')", v.title, show=False) for v in VIEWS),
+                Binding("comma", "step(-1)", "Prev step", key_display=","),
+                Binding("full_stop", "step(1)", "Next step", key_display="."),
+                Binding("g", "ask_step", "Step"), Binding("t", "ask_time", "Time"),
+                Binding("r", "ask_request", "Request"), Binding("k", "ask_kind", "Kind"),
+                Binding("left_square_bracket", "kind(-1)", "Prev kind", show=False, key_display="["),
+                Binding("right_square_bracket", "kind(1)", "Next kind", show=False, key_display="]"),
+                Binding("question_mark", "help", "Help", key_display="?"), Binding("q", "quit", "Quit")]
+
+    step_row = reactive(0)
+    seq_id = reactive(0)
+    event_index = reactive(0)
+    view = reactive("OverviewView")
+
+    def __init__(self, path: str, follow: bool = False, verify: bool = False, model: TraceModel | None = None):
+        started = time.perf_counter()
+        super().__init__()
+        self.started = started
+        self.model = model or TraceModel(path)   # TraceError for a missing or unreadable file, before any drawing
+        self.follow, self.run_verify = follow, verify
+        self.verify_lines: list[str] | None = None
+        self.error: str | None = None
+        self.first_paint: float | None = None    # seconds from __init__ to the first screen
+        self.loaded_at: float | None = None      # seconds from __init__ to the index being ready
+        self.generation, self.kind, self.progress, self.loading, self.at_tail = 0, "preempt", "", False, False
+
+    def compose(self):
+        yield Static(id="viewbar")
+        with ContentSwitcher(initial="OverviewView"):
+            for v in VIEWS:
+                yield v(id=v.__name__)
+        yield KeyBar()
+
+    def on_mount(self) -> None:
+        self._viewbar()
+        self.call_after_refresh(self._painted)
+        if self.follow:
+            self.set_interval(FOLLOW_EVERY, self._look)
+        if self.run_verify:
+            self._verify()
+
+    def _painted(self) -> None:
+        """The first screen is up (header and footer only): now index the log, in a worker."""
+        self.first_paint = time.perf_counter() - self.started
+        self.loading = True
+        self._load(self.model)
+
+    @property
+    def current(self) -> View:
+        return self.query_one(f"#{self.view}", View)
+
+    # ---- loading, following, verifying -----------------------------------------------------------
+    @work(thread=True, exclusive=True, group="load")
+    def _load(self, model: TraceModel) -> None:
+        try:
+            model.load(lambda offset: self.post_message(Progress(offset, model.size)))
+        except TraceError as e:
+            self.call_from_thread(self._failed, str(e))
+            return
+        except (ValueError, TypeError, IndexError, KeyError, OverflowError) as e:   # a log no check foresaw
+            self.call_from_thread(self._failed, f"{model.path} could not be indexed ({type(e).__name__}: {e}).")
+            return
+        if not get_current_worker().is_cancelled:   # a newer load replaced this one
+            self.call_from_thread(self._swap, model)
+
+    def _swap(self, model: TraceModel) -> None:
+        old = self.model
+        self.at_tail = bool(old.ready and len(old.steps) and self.step_row >= len(old.steps) - 1)
+        self.model = model
+        self.post_message(Loaded())
+
+    def _failed(self, message: str) -> None:
+        self.error = message
+        self.exit(return_code=2)
+
+    def on_progress(self, message: Progress) -> None:
+        if not self.loading or self.generation:   # the first index only: --follow re-indexes quietly
+            return
+        self.progress = f"indexing {100 * message.offset // max(message.size, 1)}%"
+        self._viewbar()
+
+    def on_loaded(self, message: Loaded) -> None:
+        self.loaded_at = self.loaded_at or time.perf_counter() - self.started
+        self.generation += 1
+        self.progress, self.loading = "", False
+        steps = self.model.steps
+        if self.follow and self.at_tail:
+            self._select_step(len(steps) - 1)   # it was at the tail: it stays there
+        self.step_row = min(self.step_row, max(len(steps) - 1, 0))
+        self.query_one("#OverviewView", View).loaded()
+        self._sync(self.current)
+        self._viewbar()
+        if self.model.index.cut and not self.follow:
+            self.notify(str(self.model.index.cut), severity="warning", timeout=8)
+        if self.follow and self.model.trace.clean:
+            self.follow = False
+            self.notify("the log is complete (footer written): no longer following")
+
+    def _look(self) -> None:
+        """--follow: re-index when the file has grown (once the previous index is in)."""
+        if not self.follow or self.loading:
+            return
+        try:
+            size = self.model.path.stat().st_size
+            if size != self.model.size:
+                self.loading = True
+                self._load(TraceModel(self.model.path))
+        except (OSError, TraceError) as e:
+            self.notify(f"following {self.model.path}: {e}", severity="error")
+
+    @work(thread=True, group="verify")
+    def _verify(self) -> None:
+        cmd = [sys.executable, "-m", "tui.cli", "verify", str(self.model.path)]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=VERIFY_TIMEOUT)
+            lines = (out.stdout + out.stderr).splitlines() or ["verify printed nothing"]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            lines = [f"verify did not finish: {e}"]
+        self.post_message(Verified(lines))
+
+    def on_verified(self, message: Verified) -> None:
+        self.verify_lines = message.lines
+        self.query_one(OverviewView).show_warnings()
+
+    # ---- the selection -------------------------------------------------------------------------------
+    def _sync(self, view: View) -> None:
+        """Bring a view up to date with the model and the selection."""
+        if not self.model.ready:
+            return
+        if view.generation != self.generation:
+            view.generation = self.generation
+            view.loaded()
+        view.show_step(self.step_row)
+        view.show_request(self.seq_id)
+        view.show_event(self.event_index)
+
+    def watch_step_row(self, row: int) -> None:
+        if self.model.ready:
+            self.current.show_step(row)
+        self._viewbar()
+
+    def watch_seq_id(self, seq_id: int) -> None:
+        if self.model.ready:
+            self.current.show_request(seq_id)
+        self._viewbar()
+
+    def watch_event_index(self, index: int) -> None:
+        if self.model.ready:
+            self.current.show_event(index)
+
+    def watch_view(self, name: str) -> None:
+        self.query_one(ContentSwitcher).current = name
+        view = self.current
+        self._sync(view)
+        focusable = [w for w in view.query("*") if w.can_focus]
+        if focusable:
+            focusable[0].focus()
+        else:
+            self.set_focus(None)
+        self._viewbar()
+
+    def on_step_chosen(self, message: StepChosen) -> None:
+        self._select_step(message.row)
+
+    def on_request_chosen(self, message: RequestChosen) -> None:
+        self.seq_id = message.seq_id
+
+    def on_event_chosen(self, message: EventChosen) -> None:
+        self._select_event(message.index)
+
+    def _select_step(self, row: int) -> None:
+        if not self.model.ready or not len(self.model.steps):
+            return
+        self.step_row = max(0, min(row, len(self.model.steps) - 1))
+        self.event_index = int(self.model.sched_event[self.step_row])
+
+    def _select_event(self, index: int) -> None:
+        self.event_index = index
+        self.step_row = self.model.row_of_event(index)
+        seq = int(self.model.index.seq_id[index])
+        if seq >= 0 and self.view != "RequestsView":
+            self.seq_id = seq
+
+    def on_resize(self) -> None:
+        self._viewbar()
+
+    def _viewbar(self) -> None:
+        text, narrow = Text(), self.size.width < 100
+        for v in VIEWS:
+            on = v.__name__ == self.view
+            text.append(f"{v.key} {v.title}" if narrow else f" {v.key} {v.title} ", "bold reverse" if on else "")
+            text.append("│", "dim")
+        if self.progress:
+            text.append(f"  {self.progress}", "bold #ffaf5f")
+        elif self.model.ready and len(self.model.steps):
+            text.append(f" step {self.model.steps.step[self.step_row]} · {'req' if narrow else 'request'} "
+                        f"{self.seq_id}", "bold")
+        if self.follow:
+            text.append("  following", "#5fd75f")
+        self.query_one("#viewbar", Static).update(text, layout=False)
+
+    # ---- actions and jumps -------------------------------------------------------------------------
+    def action_view(self, name: str) -> None:
+        self.view = name
+
+    def action_step(self, delta: int) -> None:
+        self._select_step(self.step_row + delta)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_ask_step(self) -> None:
+        self.push_screen(Ask("Go to step", "a step number"), lambda v: v and self.jump_step(v))
+
+    def action_ask_time(self) -> None:
+        self.push_screen(Ask("Go to time since the start", "1.5s, 120ms, 40us, 900ns (bare number: ms)"),
+                         lambda v: v and self.jump_time(v))
+
+    def action_ask_request(self) -> None:
+        self.push_screen(Ask("Go to request", "a seq_id"), lambda v: v and self.jump_request(v))
+
+    def action_ask_kind(self) -> None:
+        self.push_screen(Ask("Event kind for [ and ]", ", ".join(KIND_NAMES)), lambda v: v and self.jump_kind(v))
+
+    def action_kind(self, direction: int) -> None:
+        self.jump_kind(self.kind, direction > 0)
+
+    def _guard(self, fn, *args) -> bool:
+        """Run a jump; a bad input or a log still being indexed is a notification, never a crash."""
+        if not self.model.ready:
+            self.notify("the log is still being indexed", severity="warning")
+            return False
+        try:
+            fn(*args)
+            return True
+        except ValueError as e:
+            self.notify(str(e), severity="error")
+            return False
+
+    def jump_step(self, text: str) -> None:
+        def go():
+            step = parse_int(text, "step")
+            row = self.model.step_row(step)
+            if row is None:
+                raise ValueError(f"there is no step {step} in this log (steps {self.model.steps.step.min()}"
+                                 f"-{self.model.steps.step.max()}).")
+            self._select_step(row)
+            if self.view == "OverviewView":
+                self.view = "StepsView"
+        self._guard(go)
+
+    def jump_time(self, text: str) -> None:
+        def go():
+            if not len(self.model.steps):
+                raise ValueError("this log has no steps yet.")
+            self._select_step(self.model.index.step_of_time(parse_time(text)))
+            if self.view == "OverviewView":
+                self.view = "TimelineView"
+        self._guard(go)
+
+    def jump_request(self, text: str) -> None:
+        def go():
+            seq = parse_int(text, "request")
+            if seq not in self.model.request_ids:
+                raise ValueError(f"there is no request {seq} in this log.")
+            self.seq_id = seq
+            self.view = "RequestsView"
+        self._guard(go)
+
+    def jump_kind(self, kind: str, forward: bool = True) -> None:
+        def go():
+            name = kind.strip()
+            if name not in KIND_NAMES:
+                raise ValueError(f"no event kind {name!r}; the kinds are {', '.join(KIND_NAMES)}.")
+            self.kind = name
+            i = self.model.next_of_kind(name, self.event_index, forward)
+            if i is None:
+                raise ValueError(f"no {'later' if forward else 'earlier'} {name} event.")
+            self._select_event(i)
+        self._guard(go)
+
+    def get_system_commands(self, screen):
+        yield from super().get_system_commands(screen)
+        for v in VIEWS:
+            yield SystemCommand(f"View: {v.title}", f"key {v.key}", lambda n=v.__name__: self.action_view(n))
+        yield SystemCommand("Go to step…", "key g; or type `step 4812`", self.action_ask_step)
+        yield SystemCommand("Go to time…", "key t; or type `time 2s`", self.action_ask_time)
+        yield SystemCommand("Go to request…", "key r; or type `request 12`", self.action_ask_request)
+        yield SystemCommand("Next event of a kind…", "key k, then ]; or type `next preempt`", self.action_ask_kind)
+        for name in KIND_NAMES:
+            yield SystemCommand(f"Next {name}", f"the next {name} event",
+                                lambda n=name: self.jump_kind(n, True), discover=False)
+            yield SystemCommand(f"Previous {name}", f"the previous {name} event",
+                                lambda n=name: self.jump_kind(n, False), discover=False)
+
+
+def run_view(path: str, follow: bool = False, verify: bool | None = None) -> int:
+    """`mdi-trace view`: the exit code; a damaged log raises TraceError (one sentence) after the app ends."""
+    model = TraceModel(path)
+    app = TraceApp(path, follow=follow, verify=model.size < (32 << 20) if verify is None else verify, model=model)
+    app.run()
+    if app.error:
+        raise TraceError(app.error)
+    return app.return_code or 0

@@ -1,0 +1,351 @@
+"""The viewer's data model, with no Textual imports (ARCHITECTURE.md §7): one log opened by the reader,
+its columnar index (tracing/index.py) and what each view asks of them, as plain strings and numpy arrays.
+
+    model = TraceModel("run.mdt")     # opens the log and reads its header and footer: fast
+    model.load()                      # the index: one scan, run in a worker thread by the app
+    model.step_line(model.step_row(12)), model.step_detail(...), model.event_line(i), model.owners(row)
+
+Nothing here draws; the widgets (tui/views/) ask for the lines they show, so only visible rows are decoded,
+each once (an LRU cache per kind of line). Vocabulary as in tracing/SCHEMA.md: step, seq_id (a request),
+epoch, block_table, slot, num_tokens; a "row" is a row of `TraceIndex.steps` (one per step, in log order).
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from tracing.index import BLOCK_EVENTS, SLOT_EVENTS, TraceIndex
+from tracing.reader import Event, TraceError, TraceFile
+from tracing.schema import BATCH_KINDS, EVENTS, FINISH_REASONS, KIND, ROW_FIELDS
+from tui.format import EventFilter, describe, fmt_ns, short_list
+from tui.lanes import Lanes
+
+SCHEDULE, TOKEN, FINISH = KIND["schedule"], KIND["token"], KIND["finish"]
+KIND_NAMES = [EVENTS[k][0] for k in sorted(EVENTS) if EVENTS[k][0] != "footer"]
+STEP_HEADER = f"{'step':>7} {'kind':<7} {'rows':>4} {'tokens':>6} {'preempt':>7} {'duration':>10} {'device':>10}"
+EVENT_HEADER = f"{'#':>8} {'time':>10} {'step':>6} {'seq':>4} {'kind':<13} fields"
+MAX_POOL = 1 << 22         # KV blocks or state slots at most (the ownership arrays are this long)
+LIFELINE_TOKENS = 64      # token events decoded for a lifeline's summary line (each is listed anyway)
+DETAIL_HEADER = (f"  {'seq':>5} {'epoch':>5} {'positions':>11} {'num_tokens':>10} {'slot':>4} {'sampled':>9}  "
+                 "block_table")
+REQUEST_HEADER = f"{'seq':>5} {'prompt':>6} {'tokens':>6} {'preempt':>7} finish"
+
+
+class TraceModel:
+    """One log and its index; `load()` must have run before anything but `path`, `header`, `trace`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.trace = TraceFile(self.path)        # TraceError for a missing, empty or foreign file
+        self.header = self.trace.header
+        self.size = len(self.trace.data)
+        self.index: TraceIndex | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.index is not None
+
+    def load(self, progress=None) -> None:
+        """The slow part: scan the log (TraceError if damaged) and derive what the views need."""
+        ix = TraceIndex(self.trace, progress)
+        self.steps, self.lanes = ix.steps, Lanes(ix.steps)
+        self.sched_event = np.flatnonzero(ix.kind == SCHEDULE)                 # event index per step row
+        self._step_sorted = np.argsort(ix.steps.step, kind="stable")
+        seqs = np.concatenate([ix.seq_id[ix.seq_id >= 0], ix._row_seq])
+        self.request_ids = np.unique(seqs).astype(np.int64)
+        self.prompt_len = self._per_seq(ix, "request_added", lambda e: len(e.prompt_token_ids))
+        self.request_tokens = self._per_request(ix, ix.kind == TOKEN)
+        self.request_preemptions = self._per_request(ix, ix.kind == KIND["preempt"])
+        self.finish_reasons = self._per_seq(ix, "finish", lambda e: FINISH_REASONS[_enum(e.reason, FINISH_REASONS)])
+        engine = self.header.get("engine")
+        engine = engine if isinstance(engine, dict) else {}
+        res = ix.resources
+        self.num_blocks = max(_count(engine.get("num_kv_blocks")), _max_id(res, BLOCK_EVENTS, self.path) + 1)
+        self.num_slots = max(_count(engine.get("num_state_slots")), _max_id(res, SLOT_EVENTS, self.path) + 1)
+        self.blocks_in_use, self.slots_in_use = self._occupancy(res, BLOCK_EVENTS), self._occupancy(res, SLOT_EVENTS)
+        self.index = ix
+        self._event_cache = lru_cache(maxsize=8192)(self._event_line)
+
+    def _per_seq(self, ix: TraceIndex, kind: str, value) -> dict:
+        """seq_id -> value(event) over the events of one kind; TraceError naming a malformed one."""
+        out = {}
+        for i in ix.events_of_kind(kind):
+            e = ix.event_at(i)
+            try:
+                out[int(ix.seq_id[i])] = value(e)
+            except (TypeError, ValueError, IndexError, KeyError):
+                raise TraceError(f"{self.path} is damaged at byte {e.offset}: a malformed {kind} event.") from None
+        return out
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def step_row(self, step: int) -> int | None:
+        """The StepTable row of step number `step`, or None."""
+        order = self._step_sorted
+        k = int(np.searchsorted(self.steps.step[order], step))
+        return int(order[k]) if k < len(order) and self.steps.step[order[k]] == step else None
+
+    def rows_of_steps(self, steps: np.ndarray) -> np.ndarray:
+        """StepTable rows of step numbers that exist (vectorized `step_row`)."""
+        order = self._step_sorted
+        k = np.clip(np.searchsorted(self.steps.step[order], steps), 0, max(len(order) - 1, 0))
+        return order[k] if len(order) else np.zeros(0, np.int64)
+
+    def row_of_event(self, i: int) -> int:
+        """The step row an event belongs to: its own step, else the last step scheduled before it."""
+        step = int(self.index.step[i])
+        row = self.step_row(step) if step >= 0 else None
+        return row if row is not None else max(int(np.searchsorted(self.sched_event, i, "right")) - 1, 0)
+
+    def step_line(self, r: int) -> str:
+        s = self.steps
+        dur = s.process_end[r] - s.schedule_start[r] if s.process_end[r] >= 0 and s.schedule_start[r] >= 0 else -1
+        dev = s.device_end[r] - s.device_start[r] if s.device_start[r] >= 0 else -1
+        return (f"{s.step[r]:>7} {BATCH_KINDS[s.kind[r]] if s.kind[r] < 2 else '?':<7} {s.rows[r]:>4} "
+                f"{s.tokens[r]:>6} {s.preemptions[r]:>7} {_dur(dur):>10} {_dur(dev):>10}")
+
+    def schedule_event(self, r: int) -> Event:
+        return self.index.event_at(int(self.sched_event[r]))
+
+    def step_detail(self, r: int) -> list[str]:
+        """The selected step: its spans, then one line per batch row with the token it sampled."""
+        s, e = self.steps, self.schedule_event(r)
+        step = int(s.step[r])
+        sampled = {}
+        for i in self.index.events_of_step(step):
+            if self.index.kind[i] == TOKEN:
+                t = self.index.event_at(i)
+                sampled[t.seq_id] = f"{t.token_id}" + ("" if t.appended else " stale")
+        spans = "  ".join(f"{name} {_dur(end - start)}" for name, start, end in (
+            ("schedule", s.schedule_start[r], s.schedule_end[r]), ("execute", s.execute_start[r], s.execute_end[r]),
+            ("process", s.process_start[r], s.process_end[r]), ("device", s.device_start[r], s.device_end[r]))
+            if start >= 0)
+        gap = self.lanes.gap_before(r)
+        lines = [f"step {step}: {batch_kind(e)}, {len(e.rows)} rows, {s.tokens[r]} tokens, "
+                 f"scheduled at {fmt_ns(e.t)}" + (f", preempted {short_list(e.preempted)}" if e.preempted else ""),
+                 f"  {spans}" + (f"  device idle {fmt_ns(gap)} before it" if gap else ""),
+                 DETAIL_HEADER]
+        for raw in e.rows:
+            try:
+                row = dict(zip(ROW_FIELDS, raw))
+                n = len(row["token_ids"])
+                pos = f"{row['start']}-{row['start'] + n - 1}" if n > 1 else f"{row['start']}"
+                tok = sampled.get(row["seq_id"], "pending") if row["sample"] else "-"
+                lines.append(f"  {row['seq_id']:>5} {row['epoch']:>5} {pos:>11} {n:>10} {row['state_slot']:>4} "
+                             f"{tok:>9}  {short_list(row['block_table'], 12)}")
+            except (TypeError, ValueError, KeyError):
+                lines.append(f"  a malformed row: {raw!r:.80}")
+        return lines
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _per_request(self, ix: TraceIndex, mask: np.ndarray) -> np.ndarray:
+        """Events per request (in `request_ids` order) among those of `mask`."""
+        pos = np.searchsorted(self.request_ids, ix.seq_id[mask & (ix.seq_id >= 0)])
+        return np.bincount(pos, minlength=len(self.request_ids))
+
+    def request_line(self, i: int) -> str:
+        seq = int(self.request_ids[i])
+        return (f"{seq:>5} {self.prompt_len.get(seq, '?'):>6} {self.request_tokens[i]:>6} "
+                f"{self.request_preemptions[i]:>7} {self.finish_reasons.get(seq, 'running')}")
+
+    def lifeline(self, seq: int) -> tuple[list[str], np.ndarray]:
+        """(summary lines, event indices) of one request: every event that names it or schedules it."""
+        ix = self.index
+        evs = ix.events_of_request(seq)
+        kinds = ix.kind[evs]
+        rows = self.rows_of_steps(ix.step[evs[kinds == SCHEDULE]])
+        prefill = int(np.count_nonzero(self.steps.kind[rows] == 0)) if len(rows) else 0
+        added = evs[kinds == KIND["request_added"]]
+        head = f"request {seq}"
+        if len(added):
+            a = ix.event_at(int(added[0]))
+            head += (f": arrived at {fmt_ns(ix.t[added[0]])}, prompt {self.prompt_len.get(seq, '?')} tokens, "
+                     f"max_tokens {a.max_tokens}, temperature {a.temperature}")
+        counts = (f"  {prefill} prefill chunks, {len(rows) - prefill} decode steps, "
+                  f"{np.count_nonzero(kinds == KIND['reservation'])} reservations, "
+                  f"{np.count_nonzero(kinds == KIND['epoch_bump'])} epoch bumps, "
+                  f"{np.count_nonzero(kinds == KIND['preempt'])} preemptions, "
+                  f"{np.count_nonzero(kinds == KIND['cancel'])} cancellations; "
+                  f"finish: {self.finish_reasons.get(seq, 'not finished')}")
+        sampled = evs[kinds == TOKEN]
+        tokens = [ix.event_at(int(i)) for i in sampled[:LIFELINE_TOKENS]]
+        out = [t.token_id for t in tokens if t.appended]
+        more = f" of the first {LIFELINE_TOKENS} sampled" if len(sampled) > LIFELINE_TOKENS else ""
+        return [head, counts, f"  output tokens ({len(out)}{more}): {short_list(out, 24)}"], evs
+
+    def lifeline_line(self, seq: int, i: int) -> str:
+        """One event of a request's lifeline; a schedule event shows the request's own row."""
+        try:
+            return self._lifeline_line(seq, i)
+        except (TypeError, ValueError, KeyError, IndexError):
+            return f"{fmt_ns(self.index.t[i]):>10} a malformed {EVENTS[int(self.index.kind[i])][0]} event"
+
+    def _lifeline_line(self, seq: int, i: int) -> str:
+        e = self.index.event_at(i)
+        when = f"{fmt_ns(self.index.t[i]):>10}"
+        if e.kind != "schedule":
+            step = self.index.step[i]
+            return f"{when} {'' if step < 0 else f'step {step}':>10} {e.kind:<13} {describe(e)}".rstrip()
+        for raw in e.rows:
+            row = dict(zip(ROW_FIELDS, raw))
+            if row["seq_id"] == seq:
+                n = len(row["token_ids"])
+                what = "prefill chunk" if batch_kind(e) == "prefill" else "decode"
+                pos = f"positions {row['start']}-{row['start'] + n - 1} ({n} tokens)" if n > 1 else \
+                    f"position {row['start']}"
+                return (f"{when} {f'step {e.step}':>10} {what:<13} {pos}, epoch {row['epoch']}, "
+                        f"slot {row['state_slot']}, block_table {short_list(row['block_table'])}"
+                        + (", samples" if row["sample"] else ""))
+        return f"{when} {f'step {e.step}':>10} schedule"
+
+    # ---- events ----------------------------------------------------------------------------------
+    def event_line(self, i: int) -> str:
+        return self._event_cache(int(i))
+
+    def _event_line(self, i: int) -> str:
+        return format_event(i, self.index.event_at(i), int(self.index.t[i]))
+
+    def filtered(self, f: EventFilter) -> np.ndarray:
+        """Indices of the events that pass `f`, in log order."""
+        ix = self.index
+        keep = np.ones(len(ix), dtype=bool)
+        if f.kinds:
+            keep &= np.isin(ix.kind, [KIND[k] for k in f.kinds])
+        if f.seq_id is not None:
+            mask = np.zeros(len(ix), dtype=bool)
+            mask[ix.events_of_request(f.seq_id)] = True
+            keep &= mask
+        if f.steps is not None:
+            keep &= (ix.step >= f.steps[0]) & (ix.step <= f.steps[1])
+        return np.flatnonzero(keep)
+
+    def search(self, pattern: re.Pattern, shown: np.ndarray, pos: int, forward: bool, stop=lambda: False):
+        """The position in `shown` of the next (or previous) event after `pos` whose line matches, or None.
+        `stop()` is polled so that a worker can give up."""
+        step = 1 if forward else -1
+        p = pos + step
+        while 0 <= p < len(shown):
+            if p % 4096 == 0 and stop():
+                return None
+            if pattern.search(self.event_line(int(shown[p]))):
+                return p
+            p += step
+        return None
+
+    def next_of_kind(self, kind: str, after: int, forward: bool = True) -> int | None:
+        """The index of the next (or previous) event of `kind` after event `after`, or None."""
+        evs = self.index.events_of_kind(kind)
+        k = np.searchsorted(evs, after, "right" if forward else "left")
+        k = k if forward else k - 1
+        return int(evs[k]) if 0 <= k < len(evs) else None
+
+    # ---- resources -------------------------------------------------------------------------------
+    def owners(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """(owner seq_id per KV block, per state slot; -1 if free) just after step row r was scheduled."""
+        res = self.index.resources
+        k = int(np.searchsorted(res.event, self.sched_event[r], "right"))
+        out = []
+        for codes, n in ((BLOCK_EVENTS, self.num_blocks), (SLOT_EVENTS, self.num_slots)):
+            sel = np.flatnonzero(np.isin(res.kind[:k], codes))
+            last = np.full(n, -1, dtype=np.int64)
+            np.maximum.at(last, res.resource[sel], sel)
+            owner = np.full(n, -1, dtype=np.int64)
+            held = last >= 0
+            held[held] = res.kind[last[held]] == codes[0]
+            owner[held] = res.seq_id[last[held]]
+            out.append(owner)
+        return out[0], out[1]
+
+    def _occupancy(self, res, codes) -> np.ndarray:
+        """Blocks (or slots) owned just after each step row was scheduled."""
+        delta = np.where(res.kind == codes[0], 1, np.where(res.kind == codes[1], -1, 0))
+        cum = np.concatenate([[0], np.cumsum(delta)])
+        return cum[np.searchsorted(res.event, self.sched_event, "right")]
+
+    # ---- overview --------------------------------------------------------------------------------
+    def overview(self) -> list[tuple[str, str]]:
+        """(label, text) rows of the run: the header, the counts, the throughput and the device's time."""
+        h, e = self.header, self.header.get("engine") or {}
+        rows = [("trace", f"{self.path} ({self.size / 1024:,.0f} KiB)"),
+                ("recorded", f"{h.get('time')} on {h.get('device')}, {h.get('model_source')} {h.get('dtype')}, "
+                             f"seed {h.get('seed')}"),
+                ("engine", ", ".join(f"{k} {v}" for k, v in e.items() if k != "eos_token_id"))]
+        if not self.ready:
+            counts = self.trace.footer[0] if self.trace.clean else {}
+            rows.append(("events", f"{sum(counts.values()):,} (from the footer; indexing…)" if counts
+                         else "indexing…"))
+            return rows
+        ix, s, lanes = self.index, self.steps, self.lanes
+        count = np.bincount(ix.kind, minlength=len(EVENTS))
+        n = lambda name: int(count[KIND[name]])  # noqa: E731
+        dur = max(lanes.t_max - min(lanes.t_min, int(ix.t.min(initial=lanes.t_min, where=ix.t >= 0))), 1)
+        prefill = int(np.count_nonzero(s.kind == 0))
+        reasons = {}
+        for r in self.finish_reasons.values():
+            reasons[r] = reasons.get(r, 0) + 1
+        rows += [("events", f"{len(ix):,}"),
+                 ("requests", f"{len(self.request_ids)}; finished: "
+                              + (", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "none")),
+                 ("steps", f"{len(s):,} ({prefill:,} prefill, {len(s) - prefill:,} decode)"),
+                 ("tokens", f"{int(s.tokens.sum()):,} computed, {n('token'):,} sampled"),
+                 ("preemptions", f"{n('preempt')}, cancellations {n('cancel')}, epoch bumps {n('epoch_bump')}"),
+                 ("duration", f"{fmt_ns(dur)}"),
+                 ("throughput", f"{s.tokens.sum() / dur * 1e9:,.0f} computed tokens/s, "
+                                f"{n('token') / dur * 1e9:,.0f} sampled tokens/s, {len(s) / dur * 1e9:,.1f} steps/s"),
+                 ("device", f"busy {100 * lanes.device_busy / dur:.0f}%, ZOS overlap "
+                            f"{100 * lanes.overlap / max(lanes.device_busy, 1):.0f}% of its busy time"),
+                 ("idle gaps", self._gaps_text())]
+        return rows
+
+    def _gaps_text(self) -> str:
+        lanes = self.lanes
+        if not len(lanes.gap_len):
+            return "none"
+        top = np.argsort(-lanes.gap_len, kind="stable")[:3]
+        worst = ", ".join(f"{fmt_ns(lanes.gap_len[g])} before step {self.steps.step[lanes.gap_row[g]]}" for g in top)
+        return f"{len(lanes.gap_len):,}, {fmt_ns(lanes.gap_len.sum())} in all; longest {worst}"
+
+    def warnings(self) -> list[str]:
+        cut = self.index.cut if self.ready else None
+        return [f"{cut}."] if cut else []
+
+
+def format_event(i: int, e: Event, t: int) -> str:
+    """One line of the Events view."""
+    step = getattr(e, "step", None) if e.kind != "request_added" else None
+    seq = getattr(e, "seq_id", None) if e.kind not in ("schedule", "cpu_span", "device_span", "step_digest") else None
+    return (f"{i:>8} {fmt_ns(t) if t >= 0 else '':>10} {'' if step is None else step:>6} "
+            f"{'' if seq is None else seq:>4} {e.kind:<13} {describe(e)}").rstrip()
+
+
+def batch_kind(e: Event) -> str:
+    """A schedule event's batch kind (its field `kind`; `Event.kind` is the event's own kind name)."""
+    code = e.fields[2]
+    return BATCH_KINDS[code] if code in (0, 1) else "?"
+
+
+def _dur(ns) -> str:
+    return fmt_ns(ns) if ns >= 0 else "-"
+
+
+def _max_id(res, codes, path) -> int:
+    sel = np.isin(res.kind, codes)
+    top = int(res.resource[sel].max()) if sel.any() else -1
+    if top >= MAX_POOL:
+        raise TraceError(f"{path} is damaged: it names block or slot {top}, beyond any pool this viewer draws "
+                         f"({MAX_POOL}).")
+    return top
+
+
+def _count(value) -> int:
+    """A pool size from the header, or 0 if it is not a sane one."""
+    return value if type(value) is int and 0 <= value < MAX_POOL else 0
+
+
+def _enum(code, values) -> int:
+    if type(code) is not int or not 0 <= code < len(values):
+        raise ValueError(code)
+    return code
+

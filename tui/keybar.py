@@ -1,0 +1,35 @@
+"""`KeyBar`: the footer line of the viewer: the keys that work where the focus is (the screen's active
+bindings that are marked `show`), redrawn only when they change. Textual's Footer rebuilds a widget per
+key on every focus change, which costs a keypress more than the 50 ms budget on a slow machine.
+"""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+
+class KeyBar(Static):
+    DEFAULT_CSS = """
+    KeyBar { dock: bottom; height: 1; background: $panel; color: $text-muted; }
+    """
+
+    def on_mount(self) -> None:
+        self.screen.bindings_updated_signal.subscribe(self, self._changed)
+        self._shown = None
+        self.call_after_refresh(self._changed, self.screen)
+
+    def _changed(self, screen) -> None:
+        seen, keys = set(), []
+        for _node, binding, enabled, _tip in screen.active_bindings.values():
+            if binding.show and binding.description not in seen:
+                seen.add(binding.description)
+                keys.append((binding.key_display or self.app.get_key_display(binding), binding.description))
+        keys.sort(key=lambda k: k[1] not in ("Help", "Quit"))   # these two first: they must fit
+        if keys != self._shown:
+            self._shown = keys
+            text = Text()
+            for key, what in keys:
+                text.append(f" {key} ", "bold reverse")
+                text.append(f" {what} ")
+            text.append("  ^p palette", "dim")
+            self.update(text, layout=False)
