@@ -29,10 +29,11 @@ def prompt(i: int, n: int) -> list[int]:
     return [(7 * i + 13 * k) % 1022 + 2 for k in range(n)]
 
 
-def record(checkpoint, path):
+def record(checkpoint, path, device: str = "cpu"):
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(checkpoint), tracer=Recorder(path), num_kv_blocks=4, num_state_slots=3, max_num_batched_tokens=37)
+    llm = LLM(str(checkpoint), tracer=Recorder(path), num_kv_blocks=4, num_state_slots=3, max_num_batched_tokens=37,
+              device=device)
     llm.generate([prompt(i, 120) for i in range(3)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                  progress=False)
     llm.engine.shutdown()
@@ -99,7 +100,8 @@ def engram_not_reset(monkeypatch):
         token_map = w.token_map(b.input_ids.device)
         comp = token_map[b.input_ids]
         used = getattr(self, "_used", set())
-        first = torch.tensor([(b.start[i] == 0 and int(s) not in used) for i, s in enumerate(b.state_slots)])
+        first = torch.tensor([bool(b.start[i] == 0) and int(s) not in used for i, s in enumerate(b.state_slots)],
+                             device=b.start.device)
         self._used = used | {int(s) for s in b.state_slots}
         history = torch.where(first[:, None], start_history(self.args, token_map, len(first)),
                               self.history[b.state_slots])

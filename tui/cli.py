@@ -350,6 +350,10 @@ def _record(a, argv: list[str]) -> int:
             raise SystemExit(f"mdi-trace: {e}") from None
         raise
     console = Console()
+    skipped = getattr(llm.engine.runner.model.weights, "skipped_tensors", [])
+    if skipped and shard.rank == 0:  # a released checkpoint's out-of-scope tensors (DSpark, vision)
+        console.print(f"skipped {len(skipped)} tensors outside the model served here: {', '.join(skipped[:4])}"
+                      f"{', …' if len(skipped) > 4 else ''}", soft_wrap=True)
     rng = random.Random(a.seed)
     engine, interrupted, refused = llm.engine, False, None
     try:
@@ -382,7 +386,8 @@ def _record(a, argv: list[str]) -> int:
     for trace in open_run(out).traces:
         _print_summary(console, trace, f"recorded {trace.path} in {elapsed:.1f} s", size=True)
     q, one = shlex.quote(str(out)), shlex.quote(str(path))  # export takes one rank's log
-    console.print(f"look at it:\n  [bold]mdi-trace info {q}[/]\n  [bold]mdi-trace verify {q}[/]\n"
+    console.print(f"look at it:\n  [bold]mdi-trace view {q}[/]  (the TUI: timeline, steps, requests, resources)\n"
+                  f"  [bold]mdi-trace info {q}[/]\n  [bold]mdi-trace verify {q}[/]\n  [bold]mdi-trace check {q}[/]\n"
                   f"  [bold]mdi-trace export {one} --format perfetto -o run.json[/]  (then ui.perfetto.dev)",
                   soft_wrap=True)
     return 0
@@ -392,11 +397,11 @@ def _launch_record(a, argv: list[str], out: Path) -> int:
     """`record --nproc N`: the same command as N ranks (engine/launch.py), after the checks that would
     otherwise fail in every rank at once."""
     from engine.launch import launch
-    from model.config import PRESETS, ModelArgs, preset
+    from model.config import PRESETS, preset
     from model.parallel import Shard
+    from model.released import checkpoint_args
 
-    args = preset(a.model) if a.model in PRESETS and not Path(a.model).is_dir() else \
-        ModelArgs.load(Path(a.model) / "config.json")
+    args = preset(a.model) if a.model in PRESETS and not Path(a.model).is_dir() else checkpoint_args(a.model)
     Shard(0, a.nproc).experts(args.n_routed_experts)  # ConfigError unless N divides the routed experts
     if a.device == "cuda":
         import torch
