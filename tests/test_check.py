@@ -121,3 +121,14 @@ def test_the_commands_exit_codes(checkpoint, tmp_path):
     assert run.returncode == 0 and "step 3 re-executed" in run.stdout, run.stderr
     run = cli("check", str(src), "--step", "3", "--until", "4")
     assert run.returncode == 2 and "not allowed with" in run.stderr
+
+
+def test_check_compares_the_step_digests_too(checkpoint, tmp_path):
+    src = record_preemption(checkpoint, tmp_path / "run.mdt")
+    header, events = read_log(src)
+    i = find(events, "step_digest", 20)
+    set_field(events[i], "digest", "0" * 16)
+    edited = write_log(tmp_path / "edited.mdt", header, events)
+    run = subprocess.run([sys.executable, "-m", "tui.cli", "check", str(edited), "--model", str(checkpoint)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1 and f"step {field(events[i], 'step')}" in run.stdout, run.stdout
