@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import attention as attention_kernel, norm as norm_kernel, quant as quant_kernel
+from kernels import attention as attention_kernel, norm as norm_kernel, quant as quant_kernel, rope as rope_kernel
 from model.config import ModelArgs
 from model.quant import act_quant_fp4, act_quant_fp8
 from model.rope import apply_rope
 
 SPARSE_ATTN_BLOCK = 64  # the kernel's online softmax walks the index list in blocks of 64 (spec §2.8)
-# CUDA: the Triton kernels of kernels/ (quantisation sims bit for bit; RMSNorm and sparse attention within
-# fp32 rounding). False keeps the torch ops everywhere (the benchmarks' "before"). CPU always uses torch.
+# CUDA: the Triton kernels of kernels/ (quantisation sims bit for bit; RMSNorm, RoPE and sparse attention
+# within fp32 rounding). False keeps the torch ops everywhere (the benchmarks' "before"). CPU always uses torch.
 USE_KERNELS = True
 
 
@@ -30,6 +30,13 @@ def _kernels(x: torch.Tensor) -> bool:
 def use_attention_kernel(q: torch.Tensor) -> bool:
     """Sparse attention through kernels/attention.py: CUDA, bf16, a power-of-two head dim."""
     return USE_KERNELS and attention_kernel.applies(q)
+
+
+def rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Spec §2.2 in place on x (the last R dims of a tensor): model/rope.py on CPU, one launch on CUDA."""
+    if _kernels(x) and rope_kernel.applies(x, freqs):
+        return rope_kernel.apply_rope(x, freqs, inverse)
+    return apply_rope(x, freqs, inverse)
 
 
 def quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -116,13 +123,13 @@ class Indexer(nn.Module):
     def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Index keys of new entries: latent bf16 [B,E,D] (pre-RoPE), freqs at positions j·r -> [B,E,Di]."""
         k = self.k_norm(self.wk(latent))
-        apply_rope(k[..., -self.rope_dim:], freqs)
+        rope(k[..., -self.rope_dim:], freqs)
         return quant_fp4(k, 32, "ue8m0")
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor):
         """-> (q [B,S,Hi,Di] FP4-sim bf16, head weights [B,S,Hi] bf16)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        apply_rope(q[..., -self.rope_dim:], freqs)
+        rope(q[..., -self.rope_dim:], freqs)
         q = quant_fp4(q, 32, "ue8m0")
         return q, self.weights_proj(x) * self.weight_scale
 
@@ -194,18 +201,18 @@ class Attention(nn.Module):
         """x bf16 [B,S,d] -> (qr [B,S,ql] shared with the indexer, q [B,S,H,D] with RoPE)."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        apply_rope(q[..., -self.rope_dim:], freqs)
+        rope(q[..., -self.rope_dim:], freqs)
         return qr, q
 
     def window_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """The window latent [B,S,D]: kv_norm(x·wkvᵀ), RoPE, then FP8-sim over the whole vector."""
         kv = self.kv_norm(self.wkv(x))
-        apply_rope(kv[..., -self.rope_dim:], freqs)
+        rope(kv[..., -self.rope_dim:], freqs)
         return quant_fp8(kv, 32)
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped low-rank wo_a (block-diagonal, spec §2.9), then wo_b. [B,S,H,D] -> [B,S,d]."""
-        apply_rope(o[..., -self.rope_dim:], freqs, inverse=True)
+        rope(o[..., -self.rope_dim:], freqs, inverse=True)
         o = o.unflatten(-2, (self.n_groups, -1)).flatten(-2)  # [B,S,G,H·D/G]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         return self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
@@ -214,7 +221,7 @@ class Attention(nn.Module):
 def compressed_kv(latent: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """Compressed entries as stored (spec §2.6): RoPE at j·r on a copy of the latent, then FP4 (e4m3/16)."""
     c = latent.clone()
-    apply_rope(c[..., -rope_dim:], freqs)
+    rope(c[..., -rope_dim:], freqs)
     return quant_fp4(c, 16, "e4m3")
 
 

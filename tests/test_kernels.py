@@ -178,3 +178,23 @@ def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
     gathered = torch.cat([ring[slots], kv, pool[tables].flatten(1, 2)], dim=1)
     assert torch.equal(paged_sparse_attn(q, ring, slots, kv, pool, tables, sink, idx, D ** -0.5),
                        sparse_attn(q, gathered, sink, idx, D ** -0.5))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("heads", [None, 4])
+def test_rope_kernel_rotates_like_the_torch_path(heads):
+    """In place on the last R dims of a larger tensor, the head dim broadcast, and the inverse rotation."""
+    from kernels import rope as rope_kernel
+    from model.rope import apply_rope
+
+    g = torch.Generator().manual_seed(3)
+    shape = (2, 5) + ((heads,) if heads else ()) + (64,)
+    x = torch.randn(shape, generator=g)
+    freqs = torch.polar(torch.ones(2, 5, 16), torch.rand(2, 5, 16, generator=g) * 6)
+    for inverse in (False, True):
+        want, got = x.clone(), x.clone()
+        apply_rope(want[..., -32:], freqs, inverse)
+        assert rope_kernel._row_stride(got[..., -32:]) == 64
+        rope_kernel.apply_rope(got[..., -32:], freqs, inverse)
+        torch.testing.assert_close(got, want, rtol=2e-7, atol=2e-7)
+        assert torch.equal(got[..., :-32], x[..., :-32])  # the other dims untouched

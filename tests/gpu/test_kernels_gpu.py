@@ -132,6 +132,24 @@ def test_compiled_rms_norm_and_hc_kernels_match_the_torch_paths(n):
     torch.testing.assert_close(hc_kernel.hc_post(y, h, post, comb), want_post, rtol=2 ** -7, atol=1e-6)
 
 
+@pytest.mark.parametrize("heads", [None, 4])
+def test_compiled_rope_matches_the_torch_path(heads):
+    """bf16 in place on the last 32 dims, head dim broadcast, both directions: within a bf16 ulp."""
+    from kernels import rope as rope_kernel
+    from model.rope import apply_rope
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn((64, 3) + ((heads,) if heads else ()) + (128,), device="cuda", generator=g).bfloat16()
+    freqs = torch.polar(torch.ones(64, 3, 16, device="cuda"), torch.rand(64, 3, 16, device="cuda", generator=g) * 6)
+    for inverse in (False, True):
+        want, got = x.clone(), x.clone()
+        apply_rope(want[..., -32:], freqs, inverse)
+        assert rope_kernel.applies(got[..., -32:], freqs)
+        rope_kernel.apply_rope(got[..., -32:], freqs, inverse)
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)
+        assert torch.equal(got[..., :-32], x[..., :-32])
+
+
 @pytest.mark.parametrize("rows", [1, 64, 300])
 def test_grouped_moe_matches_the_masked_path_on_cuda(rows):
     m = Transformer(preset("tiny-68m"))

@@ -1,0 +1,67 @@
+"""RoPE (spec §2.2) as one Triton kernel: rotate the last R dims of a tensor in place, pair by pair.
+
+Mirrors the rotary embedding of DeepSeek's inference/model.py (`apply_rotary_emb`); the torch path is
+model/rope.py's `apply_rope` (upcast, a complex64 product, the copy back: 3-4 launches a call, ~47 calls
+a forward of tiny-68m). Numerics: the same fp32 complex product (ac - bd, ad + bc) rounded once to x's
+dtype; the compiler may fuse a multiply and an add where torch's kernel does not, so a value can differ by
+an fp32 ulp before that rounding (a bf16 ulp where it sits at a rounding boundary).
+"""
+import torch
+
+try:  # Triton ships Linux wheels only; elsewhere model/rope.py is the only path.
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kernel(x_ptr, freqs_ptr, n_rows, stride_row, heads, sign, HALF: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of R values (pairs) of x
+        k = tl.arange(0, HALF)
+        live = (rows < n_rows)[:, None]
+        x_at = x_ptr + rows.to(tl.int64)[:, None] * stride_row + 2 * k[None, :]  # [ROWS, HALF]: even elements
+        f_at = freqs_ptr + (rows // heads).to(tl.int64)[:, None] * (2 * HALF) + 2 * k[None, :]  # (cos, sin) pairs
+        a = tl.load(x_at, mask=live).to(tl.float32)
+        b = tl.load(x_at + 1, mask=live).to(tl.float32)
+        c = tl.load(f_at, mask=live)
+        d = tl.load(f_at + 1, mask=live) * sign  # the inverse rotation conjugates
+        tl.store(x_at, (a * c - b * d).to(x_ptr.dtype.element_ty), mask=live)
+        tl.store(x_at + 1, (a * d + b * c).to(x_ptr.dtype.element_ty), mask=live)
+
+
+def _row_stride(x: torch.Tensor) -> int | None:
+    """The one stride between consecutive rows (last-dim vectors) of x in row-major order, or None."""
+    dims = [(x.size(i), x.stride(i)) for i in range(x.dim() - 1) if x.size(i) > 1]
+    if not dims:
+        return x.size(-1)
+    stride = expected = dims[-1][1]
+    for size, step in reversed(dims):
+        if step != expected:
+            return None
+        expected *= size
+    return stride
+
+
+def applies(x: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether the kernel serves this call: CUDA, evenly strided rows of a contiguous last dim, contiguous
+    freqs whose rows each serve a whole number of x's rows (the head dim broadcast)."""
+    R = x.size(-1)
+    return (triton is not None and x.is_cuda and x.stride(-1) == 1 and freqs.is_contiguous() and R % 2 == 0
+            and R & (R - 1) == 0 and freqs.numel() * 2 > 0 and (x.numel() // R) % (freqs.numel() * 2 // R) == 0
+            and _row_stride(x) is not None)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """model/rope.py's apply_rope in one launch (where `applies`): x [..., S, R] or [..., S, H, R], freqs
+    complex [..., S, R/2], broadcast over the head dim. Rotates x in place and returns it."""
+    R = x.size(-1)
+    f = torch.view_as_real(freqs)  # [..., R/2, 2] fp32: (cos, sin)
+    rows = x.numel() // R
+    heads = rows // (f.numel() // R)  # x rows per freqs row
+    block = 32
+    _rope_kernel[(triton.cdiv(rows, block),)](x, f, rows, _row_stride(x), heads, -1.0 if inverse else 1.0,
+                                              HALF=R // 2, ROWS=block)
+    return x
