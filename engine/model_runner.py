@@ -118,6 +118,7 @@ class _DecodeGraph:
         try:
             with torch.cuda.graph(self.graph, pool=runner.graph_pool, stream=runner.stream):
                 self.tokens = step()  # [rows]: the static output
+            self.logits = runner.last_logits  # [rows, vocab], rewritten by every replay
         finally:
             torch.cuda.set_sync_debug_mode(debug)
 
@@ -139,6 +140,7 @@ class ModelRunner:
         self.trash_block, self.trash_slot = num_kv_blocks, num_state_slots
         self.next_tokens = torch.zeros(num_state_slots + 1, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}  # (rows, context bucket) -> graph
+        self.last_logits: torch.Tensor | None = None  # the last step's logits [B, vocab] (checkers read them)
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
             self.clock = _CudaClock(self.stream)
@@ -202,6 +204,7 @@ class ModelRunner:
         tables = ints[:, _NCOL + S:].contiguous()  # [B, nb]
         ids[:, 0] = torch.where(remap.bool(), self.next_tokens[slots], ids[:, 0])  # in-flight inputs
         logits = self.model.forward(ForwardBatch(ids, start, num_tokens, tables, slots, context_len, decode))
+        self.last_logits = logits  # [B, vocab]: the step's logits, for a checker's margin (a graph's static output)
         tokens = sample(logits, temperatures, seeds, positions)
         self.next_tokens[torch.where(sampled.bool(), slots, self.trash_slot)] = tokens
         return tokens
@@ -222,6 +225,7 @@ class ModelRunner:
         graph.ints.copy_(inputs.ints, non_blocking=True)
         graph.temperatures.copy_(inputs.temperatures, non_blocking=True)
         graph.graph.replay()
+        self.last_logits = graph.logits
         return graph.tokens[:inputs.num_rows]
 
     def _run_cpu(self, inputs: _HostInputs):

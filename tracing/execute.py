@@ -113,20 +113,6 @@ def margin(logits, row, winner: int, other: int) -> float:
     return float(x[winner] - x[other])
 
 
-class _LogitsTap:
-    """Wraps a PagedModel's forward to keep the last step's logits (for the margin of a mismatch)."""
-
-    def __init__(self, model):
-        self.model, self.logits = model, None
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def forward(self, *args, **kwargs):
-        self.logits = self.model.forward(*args, **kwargs)
-        return self.logits
-
-
 def check_tokens(trace: TraceFile, model: str | None = None, device: str = "cpu", until: int | None = None,
                  step: int | None = None, on_step=None) -> ExecuteResult:
     """Re-execute the recorded steps (up to and including `until`) and compare every sampled token; with
@@ -143,7 +129,6 @@ def check_tokens(trace: TraceFile, model: str | None = None, device: str = "cpu"
     note = platform_note(trace, weights)
     result = ExecuteResult(cut=trace.cut, same_platform=not note, platform_note=note)
     runner = ModelRunner(weights, engine["num_kv_blocks"], engine["num_state_slots"])
-    runner.model = tap = _LogitsTap(runner.model)
     tied: set[int] = set()  # requests past a near tie (other platforms only)
     try:
         for i, batch in enumerate(batches):
@@ -163,7 +148,7 @@ def check_tokens(trace: TraceFile, model: str | None = None, device: str = "cpu"
                 if want[1] == got:
                     continue
                 m = TokenMismatch(batch.step, row.seq_id, want[0], want[1], got,
-                                  margin(tap.logits[b], row, got, want[1]))
+                                  margin(runner.last_logits[b], row, got, want[1]))
                 if note and m.margin <= _tolerance(weights):
                     result.near_ties.append(m)
                     tied.add(row.seq_id)
