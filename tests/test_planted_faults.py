@@ -99,10 +99,10 @@ def engram_not_reset(monkeypatch):
         w, b = self.weights, step.batch
         token_map = w.token_map(b.input_ids.device)
         comp = token_map[b.input_ids]
-        used = getattr(self, "_used", set())
-        first = torch.tensor([bool(b.start[i] == 0) and int(s) not in used for i, s in enumerate(b.state_slots)],
-                             device=b.start.device)
-        self._used = used | {int(s) for s in b.state_slots}
+        if not hasattr(self, "used"):  # per slot: has it had an owner? (device-side: CUDA graphs capture this)
+            self.used = torch.zeros(self.history.size(0), dtype=torch.bool, device=self.history.device)
+        first = (b.start == 0) & ~self.used[b.state_slots]
+        self.used.index_fill_(0, b.state_slots, True)
         history = torch.where(first[:, None], start_history(self.args, token_map, len(first)),
                               self.history[b.state_slots])
         self.history[b.state_slots] = engram_history(history, comp, b.num_tokens)
