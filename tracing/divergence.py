@@ -105,14 +105,20 @@ def request_tokens(trace: TraceFile) -> dict[int, list[int]]:
 
 class _Reference:
     """One request's prefix through the reference model: the final stream of every position (the logits of
-    a chunk are computed from it on demand) and the discrete choices at every position."""
+    a chunk are computed from it on demand), the discrete choices, and every layer's inputs at every
+    position (the stream entering the Engram block and the block, and the pre-mix), for teacher forcing."""
 
     def __init__(self, weights, tokens: list[int], capture=None):
         from model.compare import Choices
         from model.reference import ReferenceModel
 
         self.weights, self.tokens, self.choices = weights, tokens, Choices(weights.args)
+        self.inputs: dict[tuple[int, str, int], torch.Tensor] = {}
         model, hooks = ReferenceModel(weights), self.choices.hooks(weights)
+        for block in weights.layers:
+            if block.engram is not None:
+                hooks.append(block.engram.register_forward_pre_hook(self._keep(block.layer, "engram_in", 1)))
+            hooks.append(block.register_forward_pre_hook(self._keep(block.layer, "block_in", 2)))
         try:
             with torch.inference_mode():
                 h, pre_mix, row_ids, shared = model.start(tokens, capture or self.choices.capture)
@@ -123,10 +129,48 @@ class _Reference:
                 hook.remove()
         self.h, self.pre_mix = h[0], pre_mix[0]
 
+    def _keep(self, layer: int, name: str, n: int):
+        def hook(module, args):
+            for k in range(n):
+                self.inputs[(layer, name, k)] = args[k][0].clone()  # [S, ...]
+        return hook
+
     def logits(self, start: int, end: int) -> torch.Tensor:
         """fp32 logits [end - start, vocab] of positions [start, end), from the final stream."""
         with torch.inference_mode():
             return self.weights.logits(self.h[start:end], self.pre_mix[start:end]).float().cpu()
+
+
+class _Force:
+    """Teacher forcing of a replayed step, as a context around its forward (the modules are shared with the
+    reference, which must not be forced): at each listed row's chunk, every layer's inputs (as the reference
+    computed them) replace the replay's own. Rows are (batch row, chunk start, chunk length, _Reference)."""
+
+    def __init__(self, weights, rows: list):
+        self.weights, self.rows, self.hooks = weights, rows, []
+
+    def __enter__(self) -> "_Force":
+        for block in self.weights.layers:
+            if block.engram is not None:
+                self.hooks.append(block.engram.register_forward_pre_hook(self._hook(block.layer, "engram_in", 1)))
+            self.hooks.append(block.register_forward_pre_hook(self._hook(block.layer, "block_in", 2)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def _hook(self, layer: int, name: str, n: int):
+        def hook(module, args):
+            args = list(args)
+            for k in range(n):
+                args[k] = args[k].clone()
+                for b, start, count, ref in self.rows:
+                    args[k][b, :count] = ref.inputs[(layer, name, k)][start:start + count].to(args[k].device)
+            return tuple(args)
+        return hook
+
 
 
 class _Replay:
@@ -138,16 +182,6 @@ class _Replay:
         self.model, self.seqs = PagedModel(weights, engine["num_kv_blocks"], engine["num_state_slots"],
                                            engine.get("batch_invariant", False)), seqs
         self.trash, self.device = engine["num_kv_blocks"], weights.head.weight.device
-
-    def copy_state(self, other: "_Replay") -> None:
-        """Take `other`'s KV blocks and state slots (rings, tails, Engram history)."""
-        mine, theirs = self.model, other.model
-        mine.ring.copy_(theirs.ring)
-        mine.history.copy_(theirs.history)
-        for pools in ("entries", "tails"):
-            for layer, tensors in getattr(mine, pools).items():
-                for a, b in zip(tensors, getattr(theirs, pools)[layer]):
-                    a.copy_(b)
 
     def run(self, batch, capture=None) -> torch.Tensor:
         """Logits [B, S, vocab] of every token of the batch, on the host."""
@@ -181,129 +215,156 @@ class _Track:
 
 def check_against_reference(trace: TraceFile, model: str | None = None, device: str = "cpu",
                             until: int | None = None, on_step=None, localise: bool = True) -> AgainstResult:
-    """Pass 1 (and, on a divergence, pass 2) of the module docstring."""
-    from kernels.sampling import sample
-    from model.compare import Choices, explain, rounding_flip, tolerance
-
+    """Pass 1 (and, at a position over the tolerance, pass 2) of the module docstring."""
     weights = load_recorded_model(trace, model, device)
-    seqs, recorded = request_tokens(trace), recorded_tokens(trace)
+    check = _Check(weights, trace, localise)
     batches = [b for b in recorded_batches(trace, until) if b.rows]
-    tol = tolerance(weights)
-    result = AgainstResult(tolerance=tol, platform_note=platform_note(trace, weights), cut=trace.cut)
-    # A prefix at least `saturated` long has the attention lists' full lengths (window_size entries and
-    # index_topk entries at every ratio), so it gives the same bits as the whole request at every position
-    # it shares: the whole request is computed once and serves every row that ends there or later.
-    saturated = max([weights.args.window_size] + [r * weights.args.index_topk for r in weights.args.compress_ratios])
-    refs, last_step = {}, {r.seq_id: b.step for b in batches for r in b.rows}
-    # `lag` trails `replay` by one step: it holds the state before the step, for teacher-forced runs
-    replay, lag, tracks = _Replay(weights, trace.header["engine"], seqs), _Replay(weights, trace.header["engine"], seqs), {}
+    check.last_step = {r.seq_id: b.step for b in batches for r in b.rows}
     for i, batch in enumerate(batches):
         if on_step:
             on_step(i, len(batches))
-        choices = Choices(weights.args)
-        hooks = choices.hooks(weights)
+        if check.step(batch):
+            break
+    return check.result
+
+
+class _Check:
+    """The state of pass 1: the replay under test, the teacher-forced `lag` replay (its state is what the
+    engine writes when every row's inputs are the reference's, so a state module compared at a divergent
+    step differs only by a bug or by that step's own arithmetic), the references and the requests' tracks."""
+
+    def __init__(self, weights, trace: TraceFile, localise: bool):
+        from model.compare import tolerance
+
+        self.weights, self.localise = weights, localise
+        self.seqs, self.recorded = request_tokens(trace), recorded_tokens(trace)
+        self.tol = tolerance(weights)
+        self.result = AgainstResult(tolerance=self.tol, platform_note=platform_note(trace, weights), cut=trace.cut)
+        engine = trace.header["engine"]
+        self.replay, self.lag = _Replay(weights, engine, self.seqs), _Replay(weights, engine, self.seqs)
+        # A prefix at least `saturated` long has the attention lists' full lengths (window_size entries and
+        # index_topk entries at every ratio), so it gives the same bits as the whole request at every position
+        # it shares: the whole request is computed once and serves every row that ends there or later.
+        args = weights.args
+        self.saturated = max([args.window_size] + [r * args.index_topk for r in args.compress_ratios])
+        self.refs: dict[int, _Reference] = {}
+        self.tracks: dict[tuple[int, int], _Track] = {}
+        self.last_step: dict[int, int] = {}
+
+    def reference(self, row) -> _Reference:
+        end = row.start + row.num_tokens
+        if end < self.saturated:
+            return _Reference(self.weights, self.seqs[row.seq_id][:end])
+        if row.seq_id not in self.refs:  # the whole request, computed once
+            self.refs[row.seq_id] = _Reference(self.weights, self.seqs[row.seq_id])
+        return self.refs[row.seq_id]
+
+    def step(self, batch) -> bool:
+        """Compare one step's rows, then run it teacher-forced on `lag`, localising the first position over
+        the tolerance (or the divergence) there. True when the check is over (a divergence)."""
+        from model.compare import Choices
+
+        choices = Choices(self.weights.args)
+        hooks = choices.hooks(self.weights)
         try:
-            logits = replay.run(batch, choices.capture)
+            logits = self.replay.run(batch, choices.capture)
         finally:
             for h in hooks:
                 h.remove()
-        result.steps += 1
-        lag_used = False
-        S = max(r.num_tokens for r in batch.rows)
+        self.result.steps += 1
+        forced, focus, divergence, self.over = [], None, None, 0  # focus: (batch row, its reference, Divergence)
         for b, row in enumerate(batch.rows):
-            track = tracks.setdefault((row.seq_id, row.epoch), _Track())
+            track = self.tracks.setdefault((row.seq_id, row.epoch), _Track())
             if track.stopped is not None:
                 continue
-            end = row.start + row.num_tokens
-            if end < saturated:
-                ref = _Reference(weights, seqs[row.seq_id][:end])
-            else:  # the whole request, computed once
-                if row.seq_id not in refs:
-                    refs[row.seq_id] = _Reference(weights, seqs[row.seq_id])
-                ref = refs[row.seq_id]
-            ref_logits = ref.logits(row.start, end)
-            for j in range(row.num_tokens):  # every token of the chunk, in causal order
-                p, got_row = row.start + j, b * S + j
-                if track.flip is None:  # the first FP8 window flip so far
-                    track.flip = rounding_flip(ref.choices, p, choices, got_row)
-                result.rows += 1
-                why = explain(ref.choices, p, choices, got_row)
-                diff = float((logits[b, j] - ref_logits[j]).abs().max())
-                if why is None and diff > tol and track.flip is not None:
-                    why = track.flip
-                if why is not None and not isinstance(why, str):
-                    track.stopped = why
-                    result.near_ties.append((batch.step, row.seq_id, why))
-                    break
-                if why is None and diff > tol:  # beyond the tolerance: a module that differs, or shape noise
-                    if not lag_used:
-                        div = Divergence(batch.step, row.seq_id, row.epoch, p, f"logits differ from the reference's "
-                                         f"by {diff:.4g} > {tol}, and no near tie explains it", diff)
-                        lag_used = True
-                        if localise and _localise(weights, lag, seqs[row.seq_id], batch, b, div).module is not None:
-                            result.divergence = div
-                            break
-                    result.noise, result.noise_max = result.noise + 1, max(result.noise_max, diff)
-                    continue
-                if why is not None:
-                    result.divergence = Divergence(batch.step, row.seq_id, row.epoch, p, why, diff)
-                    break
-                result.max_diff = max(result.max_diff, diff)
-            if result.divergence:
+            ref = self.reference(row)
+            forced.append((b, row.start, row.num_tokens, ref))
+            verdict = self.compare_row(batch, b, row, ref, track, logits, choices)
+            if verdict is not None and focus is None:
+                focus = (b, ref, verdict)
+            if verdict is not None and not verdict.detail.startswith("logits differ"):
+                divergence = verdict  # a clear-gap choice or a token: nothing after it is compared
+                focus = (b, ref, verdict)
                 break
-            if track.stopped is not None:
-                continue
-            want = recorded.get((batch.step, row.seq_id, row.epoch)) if row.sample else None
-            if want is None:
-                continue
-            result.tokens += 1
-            p = row.start + row.num_tokens - 1
-            ref_token = int(sample(ref_logits[-1:], torch.tensor([row.temperature], dtype=torch.float32),
-                                   torch.tensor([row.seed]), torch.tensor([row.output_position]))[0])
-            if ref_token != want[1]:
-                m = margin(ref_logits[-1], row, ref_token, want[1])
-                note = (f"token at position {want[0]}: recorded {want[1]}, the reference samples {ref_token} "
-                        f"with margin {m:.4g}")
-                if m > tol:
-                    result.divergence = Divergence(batch.step, row.seq_id, row.epoch, p, note, 0.0)
-                    break
-                result.near_ties.append((batch.step, row.seq_id, f"{note} (within {tol}: a token near tie)"))
-        if result.divergence:
-            if localise and result.divergence.module is None and not lag_used:
-                b = next(i for i, r in enumerate(batch.rows) if r.seq_id == result.divergence.seq_id)
-                _localise(weights, lag, seqs[result.divergence.seq_id], batch, b, result.divergence)
-            break
-        if lag_used:
-            lag.copy_state(replay)
+        force = _Force(self.weights, forced)
+        if focus is not None and self.localise:
+            _localise(self.weights, self.lag, batch, force, *focus)
         else:
-            lag.run(batch)
-        for seq_id in [q for q, last in last_step.items() if last == batch.step]:
-            refs.pop(seq_id, None)
-    return result
+            with force:
+                self.lag.run(batch)
+        if focus is not None and divergence is None:  # over the tolerance: a module, or shape noise
+            if focus[2].module is not None:
+                divergence = focus[2]
+            else:  # every position over the tolerance in this step counts as shape noise
+                self.result.noise += self.over
+        self.result.divergence = divergence
+        for seq_id in [q for q, last in self.last_step.items() if last == batch.step]:
+            self.refs.pop(seq_id, None)
+        return divergence is not None
+
+    def compare_row(self, batch, b: int, row, ref: _Reference, track: _Track, logits, choices) -> Divergence | None:
+        """Every position of one row, then its sampled token. Returns the first position over the tolerance
+        that no near tie explains, or a divergence (a clear-gap choice, a token); records near ties."""
+        from kernels.sampling import sample
+        from model.compare import explain, rounding_flip
+
+        result, tol, S = self.result, self.tol, logits.size(1)
+        ref_logits = ref.logits(row.start, row.start + row.num_tokens)
+        over = None
+        for j in range(row.num_tokens):  # every token of the chunk, in causal order
+            p, got_row = row.start + j, b * S + j
+            if track.flip is None:  # the first FP8 window flip so far
+                track.flip = rounding_flip(ref.choices, p, choices, got_row)
+            result.rows += 1
+            why = explain(ref.choices, p, choices, got_row)
+            diff = float((logits[b, j] - ref_logits[j]).abs().max())
+            if why is None and diff > tol and track.flip is not None:
+                why = track.flip
+            if why is not None and not isinstance(why, str):
+                track.stopped = why
+                result.near_ties.append((batch.step, row.seq_id, why))
+                return over
+            if why is not None:
+                return Divergence(batch.step, row.seq_id, row.epoch, p, why, diff)
+            if diff > tol:
+                result.noise_max, self.over = max(result.noise_max, diff), self.over + 1
+                over = over or Divergence(batch.step, row.seq_id, row.epoch, p, f"logits differ from the reference's "
+                                          f"by {diff:.4g} > {tol}, and no near tie explains it", diff)
+                continue
+            result.max_diff = max(result.max_diff, diff)
+        want = self.recorded.get((batch.step, row.seq_id, row.epoch)) if row.sample else None
+        if want is None or over is not None:
+            return over
+        result.tokens += 1
+        ref_token = int(sample(ref_logits[-1:], torch.tensor([row.temperature], dtype=torch.float32),
+                               torch.tensor([row.seed]), torch.tensor([row.output_position]))[0])
+        if ref_token != want[1]:
+            m = margin(ref_logits[-1], row, ref_token, want[1])
+            note = f"token at position {want[0]}: recorded {want[1]}, the reference samples {ref_token} with margin {m:.4g}"
+            if m > tol:
+                return Divergence(batch.step, row.seq_id, row.epoch, row.start + row.num_tokens - 1, note, 0.0)
+            result.near_ties.append((batch.step, row.seq_id, f"{note} (within {tol}: a token near tie)"))
+        return None
 
 
 # ---- pass 2 ------------------------------------------------------------------------------------------------
 
 class _Tap:
-    """Module outputs of one forward for one chunk of rows, and teacher forcing of that chunk's inputs.
+    """Module outputs of one forward at one chunk of rows: `rows(t)` picks the chunk from a [B, S, ...]
+    tensor. `whole=True` (the reference) also keeps every position's window latents and the whole sequence's
+    compressed entries and index keys."""
 
-    `rows(t)` picks the chunk from a [B, S, ...] tensor; with `force` (the reference tap), every layer's
-    inputs at those rows are replaced by the reference's."""
+    OUTPUTS = ("engram", "window_kv", "sparse_attn", "attn_out", "block")
 
-    OUTPUTS = ("engram", "window_kv", "sparse_attn", "attn_out", "block", "compressed_kv", "index_keys")
-
-    def __init__(self, weights, rows, force: "_Tap | None" = None):
+    def __init__(self, weights, rows, whole: bool = False):
         from model.compare import Choices
 
-        self.rows, self.force = rows, force
+        self.rows, self.whole = rows, whole
         self.out: dict[tuple[int, str], torch.Tensor] = {}
         self.choices = Choices(weights.args)
         self.hooks = self.choices.hooks(weights)
         for block in weights.layers:
             L = block.layer
-            if block.engram is not None:
-                self.hooks.append(block.engram.register_forward_pre_hook(self._inputs(L, "engram_in", 1)))
-            self.hooks.append(block.register_forward_pre_hook(self._inputs(L, "block_in", 2)))
             self.hooks.append(block.attn_norm.register_forward_pre_hook(self._keep(L, "attn_in")))
             self.hooks.append(block.ffn_norm.register_forward_pre_hook(self._keep(L, "ffn_in")))
             self.hooks.append(block.ffn.register_forward_hook(lambda m, i, o, L=L: self._put(L, "ffn_out", o)))
@@ -314,28 +375,12 @@ class _Tap:
     def _keep(self, layer: int, name: str):
         return lambda module, args: self._put(layer, name, args[0])
 
-    def _inputs(self, layer: int, name: str, n: int):
-        """Record (or, when forcing, replace) the first n positional inputs at the chunk's rows."""
-        def hook(module, args):
-            if self.force is None:
-                for k in range(n):
-                    self.out[(layer, f"{name}{k}")] = self.rows(args[k]).clone()
-                return None
-            args = list(args)
-            for k in range(n):
-                args[k] = args[k].clone()
-                self.rows(args[k])[...] = self.force.out[(layer, f"{name}{k}")].to(args[k].device)
-            return tuple(args)
-        return hook
-
     def capture(self, layer: int, name: str, t: torch.Tensor) -> None:
         self.choices.capture(layer, name, t)
-        if name in ("compressed_kv", "index_keys"):
-            self.out[(layer, name)] = t[0].float().cpu()  # a whole sequence's entries (the reference only)
-        elif name in self.OUTPUTS:
+        if name in self.OUTPUTS:
             self._put(layer, name, t)
-        if name == "window_kv" and self.force is None:
-            self.out[(layer, "window_all")] = t[0].float().cpu()  # every position (the reference's window)
+        if self.whole and name in ("compressed_kv", "index_keys", "window_kv"):
+            self.out[(layer, name + "_all")] = t[0].float().cpu()  # every position or entry of the sequence
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -371,23 +416,25 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return float(d.abs().max()) if d.numel() else 0.0, float(d.norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def _localise(weights, replay: _Replay, tokens: list[int], batch, b: int, div: Divergence) -> Divergence:
-    """Pass 2: run the step on `replay` (the state before it) with row b's chunk teacher-forced, and name the
-    first module that differs (div.module), or say why none does (div.module_note)."""
+def _localise(weights, lag: _Replay, batch, force: _Force, b: int, ref: "_Reference", div: Divergence) -> Divergence:
+    """Pass 2: run the step on `lag` (the state before it, written by teacher-forced steps) with every compared
+    row teacher-forced, and name the first module of row b that differs (div.module), or say why none does."""
     from model.compare import CHOICES, explain_choice
 
     args = weights.args
     row, S = batch.rows[b], max(r.num_tokens for r in batch.rows)
     start, p, end = row.start, div.position, row.start + row.num_tokens
-    ring = replay.model.ring[:, row.state_slot].float().cpu()  # [L, W, D] before the step writes it
-    ref = _Tap(weights, lambda t: t[0, start:end])  # the whole chunk, so that all of it can be teacher-forced
-    ref_run = _Reference(weights, tokens[:end], ref.capture)
-    ref.remove()
-    got = _Tap(weights, lambda t: t[b, :row.num_tokens], force=ref)
+    ring = lag.model.ring[:, row.state_slot].float().cpu()  # [L, W, D] before the step writes it
+    want = _Tap(weights, lambda t: t[0, start:end], whole=True)
+    _Reference(weights, ref.tokens, want.capture)  # the forcing reference again (same tokens, same bits), observed
+    want.remove()
+    got = _Tap(weights, lambda t: t[b, :row.num_tokens])
     try:
-        replay.run(batch, got.capture)
+        with force:
+            lag.run(batch, got.capture)
     finally:
         got.remove()
+    ref = want
     tol = MODULE_TOL_FP32 if weights.embed.weight.dtype == torch.float32 else MODULE_TOL_BF16
     last = p - start  # the divergent token's index in the chunk (and in both taps)
     W = args.window_size
@@ -401,13 +448,13 @@ def _localise(weights, replay: _Replay, tokens: list[int], batch, b: int, div: D
         window = range(max(0, p - W + 1), p + 1)
         got_window = torch.stack([got.out[(L, "window_kv")][q - start] if q >= start else ring[L, q % W]
                                   for q in window])
-        stages.append(("window", got_window, ref.out[(L, "window_all")][window.start:p + 1]))
+        stages.append(("window", got_window, ref.out[(L, "window_kv_all")][window.start:p + 1]))
         if r and args.is_kv_source(L):
             n = (p + 1) // r
-            for pool, name, module in zip(replay.model.entries[L], ("compressed_kv", "index_keys"),
+            for pool, name, module in zip(lag.model.entries[L], ("compressed_kv_all", "index_keys_all"),
                                           ("compressor", "index keys")):
-                stages.append((module, replay.model.stream(pool, torch.tensor([row.block_table], device=pool.device),
-                                                           n)[0].float().cpu(), ref.out[(L, name)][:n]))
+                stages.append((module, lag.model.stream(pool, torch.tensor([row.block_table], device=pool.device),
+                                                        n)[0].float().cpu(), ref.out[(L, name)][:n]))
         stages += [(name, None, None) for name, _ in CHOICES[:2]]
         stages += [("sparse attention", got.out[(L, "sparse_attn")][last], ref.out[(L, "sparse_attn")][last]),
                    ("attention output", got.out[(L, "attn_out")][last], ref.out[(L, "attn_out")][last]),
@@ -429,6 +476,5 @@ def _localise(weights, replay: _Replay, tokens: list[int], batch, b: int, div: D
                 div.module = ModuleDiff(L, module, max_diff, rel)
                 return div
     div.module_note = (f"with teacher-forced inputs no module differs by more than {tol:.3g} relative L2; the "
-                       f"difference builds up across layers or lies in the head (reference logits at this row "
-                       f"computed over {len(ref_run.tokens)} tokens)")
+                       f"difference builds up across layers or lies in the head")
     return div
