@@ -1,30 +1,31 @@
 """Against the reference: `mdi-trace check TRACE --against reference` (ARCHITECTURE.md §6).
 
-Pass 1 finds the first divergence. For every row, the request's tokens up to the row's end (its prompt and
-the tokens the engine appended, read from the trace) go through the plain reference model
-(model/reference.py), which gives the logits and the discrete choices at every position of the chunk. The
-reference is a single-shot prefill of that prefix, not of the whole request: its attention lists take their
-lengths from the whole sequence (as the official code's), so a longer sequence changes the bits of earlier
-positions (on tiny-68m by up to 0.19 in the logits), while a prefix matches the engine's first chunk bit
-for bit and its later chunks and decode rows up to the shape noise. The recorded batches are re-executed in order on the
-paged model with every input token taken from the trace, so a token that flipped at a near tie never
-derails the rows after it. Each row's last-token logits are compared with the reference's at the same
-position by the rules of model/compare.py: a discrete choice that differs at a near tie, or an FP8
+Pass 1 compares. For every row, the request's tokens up to the row's end (its prompt and the tokens the
+engine appended, read from the trace) go through the plain reference model (model/reference.py), which
+gives the logits, the discrete choices and every layer's inputs at every position. The reference is a
+single-shot prefill of that prefix, not of the whole request: its attention lists take their lengths from
+the whole sequence (as the official code's), so a longer sequence changes the bits of earlier positions
+(on tiny-68m by up to 0.19 in the logits). Once a prefix is long enough for every list to reach its full
+length, the whole request gives the same bits, so it is computed once. The recorded batches are
+re-executed in order on the paged model with every input token taken from the trace, so a token that
+flipped at a near tie never derails the rows after it. Every position's logits are compared with the
+reference's by the rules of model/compare.py: a discrete choice that differs at a near tie, or an FP8
 window code one step away, is a near tie, and that request (at that epoch: a recomputation starts
-afresh) is compared no further; a choice that differs with a clear gap, or logits apart by more than the
-tolerance that no near tie explains, is the divergence. A sampled token is compared with the token the
-reference's logits give under the row's sampler: one that differs where the reference's own margin is
-above the tolerance is the divergence too, one within it a token near tie (the tokens are teacher-forced,
-so comparison goes on).
+afresh) is compared no further; a choice that differs with a clear gap is the divergence. A sampled
+token is compared with the token the reference's logits give under the row's sampler: one that differs
+where the reference's own margin is above the tolerance is the divergence too, one within it a token near
+tie (the tokens are teacher-forced, so comparison goes on).
 
-Pass 2 localises the divergence. The run is re-executed again up to the divergent step, and that step
-runs with the divergent row's chunk teacher-forced: each layer's inputs (the stream entering the Engram
-block and the block, and the pre-mix) are replaced by the reference's, through forward pre-hooks. Within
-each layer the modules are compared in order (Engram, attention input, window, compressor, index keys,
-indexer top-k and candidates, sparse attention, attention output, MoE input, MoE routing, MoE experts,
-layer output); the window and the compressed entries are what the row reads from the engine's state
-(rings, tails and KV blocks, written by earlier steps), by position and by entry. The first module
-whose output differs beyond the per-module tolerance, or whose discrete choice differs, is named.
+Pass 2 localises. A second replay, `lag`, runs every step after the first with every compared row
+teacher-forced: each layer's inputs (the stream entering the Engram block and the block, and the
+pre-mix) are replaced by the reference's through forward pre-hooks, so its state (rings, tails, KV
+blocks, Engram history) is what the engine writes from the reference's inputs. At a step with a position
+over the tolerance (or a divergence), that row's modules are compared in order within each layer
+(Engram, attention input, window, compressor, index keys, indexer top-k and candidates, sparse attention,
+attention output, MoE input, MoE routing, MoE experts, layer output); the window and the compressed
+entries are what the row reads from lag's state, by position and by entry, and a stored FP8/FP4 code one
+step from the reference's is rounding. The first module over the per-module tolerance, or whose discrete
+choice differs, is named and is the divergence; a position where none is counts as shape noise.
 """
 from __future__ import annotations
 
