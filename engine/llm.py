@@ -35,9 +35,11 @@ class LLM:
     def __init__(self, model: str = "tiny-68m", device: str = "cpu", enable_zos: bool = True,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, num_kv_blocks: int | None = None,
                  num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int | None = 1,
-                 shard: Shard | None = None):
+                 shard: Shard | None = None, batch_invariant: bool = False):
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' needs a CUDA GPU and none is visible; use device='cpu'.")
+        if batch_invariant and (device != "cpu" or cpu_threads != 1):  # model/invariant.py: CPU, 1 thread so far
+            raise ValueError("batch_invariant=True runs on device='cpu' with cpu_threads=1 for now (issue #11).")
         self.shard = shard or setup(device)  # from a torchrun-style environment; one process without one
         weights, self.digest = load_model(model, device, self.shard)
         blocks_per_seq = -(-weights.args.max_seq_len // 128)
@@ -48,7 +50,7 @@ class LLM:
         # On CPU one intra-op thread decodes faster than two (benchmarks/RESULTS.md); torch's setting is
         # process-wide, so cpu_threads=None leaves it as it is.
         self.engine = LLMEngine(weights, config, enable_zos, seed, tracer, cpu_threads if device == "cpu" else None,
-                                self.digest, model)
+                                self.digest, model, batch_invariant)
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params=None,
                  progress: bool = True) -> list[RequestOutput]:

@@ -25,18 +25,20 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 from engine.tracer import NullTracer
 from kernels.sampling import mix_seed
-from model.parallel import any_rank, idle_forward, run_id
+from model.parallel import any_rank, run_id
 from model.transformer import Transformer
 
 
 class LLMEngine:
     def __init__(self, weights: Transformer, config: SchedulerConfig, enable_zos: bool = True, seed: int = 0,
-                 tracer=None, cpu_threads: int | None = None, checkpoint_digest: str = "", model_source: str = ""):
+                 tracer=None, cpu_threads: int | None = None, checkpoint_digest: str = "", model_source: str = "",
+                 batch_invariant: bool = False):
         self.tracer = tracer or NullTracer()
         self.config, self.enable_zos, self.seed = config, enable_zos, seed
+        self.batch_invariant = batch_invariant  # model/invariant.py (issue #11)
         self.max_seq_len = weights.args.max_seq_len
         self.scheduler = Scheduler(config, self.tracer)
-        self.runner = ModelRunner(weights, config.num_kv_blocks, config.num_state_slots, cpu_threads)
+        self.runner = ModelRunner(weights, config.num_kv_blocks, config.num_state_slots, cpu_threads, batch_invariant)
         self.shard = weights.shard  # this rank's place under EP x DP; one process by default
         if self.shard.world_size > 1:
             self.runner.use_cuda_graphs = False  # the sharded layers read every rank's row count on the host
@@ -53,7 +55,8 @@ class LLMEngine:
             triton_version = triton.__version__
         except ImportError:
             triton_version = None
-        return {"engine": {**dataclasses.asdict(self.config), "enable_zos": self.enable_zos, "block_size": BLOCK_SIZE},
+        return {"engine": {**dataclasses.asdict(self.config), "enable_zos": self.enable_zos, "block_size": BLOCK_SIZE,
+                           "batch_invariant": self.batch_invariant},
                 "model": weights.args.to_dict(), "checkpoint_digest": checkpoint_digest,
                 "device": device_name(device),
                 "torch": torch.__version__, "triton": triton_version,
@@ -101,7 +104,7 @@ class LLMEngine:
         t1 = time.perf_counter_ns()
         handle = self.runner.execute(batch) if batch is not None and batch.rows else None
         if handle is None and self.shard.world_size > 1:
-            self._idle_forward()
+            self.runner.idle()  # EP x DP: this rank's share of the step's collectives, with zero rows
         t2 = time.perf_counter_ns()
         if batch is not None:
             self.tracer.cpu_span(batch.step, "schedule", t0, t1)
@@ -117,16 +120,6 @@ class LLMEngine:
                                "state slots that are free.")
         self.tracer.step_end(batch.step if batch is not None else done.batch.step if done else -1)
         return finished
-
-    def _idle_forward(self) -> None:
-        """EP x DP, nothing scheduled here: the step's collectives with zero rows, queued on the device
-        after the steps before it, so that the ranks with rows are not left waiting."""
-        runner, weights = self.runner, self.runner.model.weights
-        if runner.device.type == "cuda":
-            with torch.cuda.stream(runner.stream):
-                idle_forward(weights)
-        else:
-            runner.worker.submit(idle_forward, weights)
 
     def process(self, handle: StepHandle) -> list[Sequence]:
         tokens = handle.wait()

@@ -32,6 +32,7 @@ import torch
 from engine.scheduler import ScheduledBatch
 from kernels.sampling import sample
 from model.paged import BLOCK_SIZE, ForwardBatch, PagedModel
+from model.parallel import idle_forward
 from model.transformer import Transformer
 
 
@@ -134,9 +135,9 @@ class ModelRunner:
     MAX_GRAPHS = 64
 
     def __init__(self, weights: Transformer, num_kv_blocks: int, num_state_slots: int,
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, batch_invariant: bool = False):
         self.device = weights.head.weight.device
-        self.model = PagedModel(weights, num_kv_blocks, num_state_slots)
+        self.model = PagedModel(weights, num_kv_blocks, num_state_slots, batch_invariant)  # model/invariant.py
         self.trash_block, self.trash_slot = num_kv_blocks, num_state_slots
         self.next_tokens = torch.zeros(num_state_slots + 1, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}  # (rows, context bucket) -> graph
@@ -242,6 +243,15 @@ class ModelRunner:
             host.copy_(tokens, non_blocking=True)
             end.record(self.stream)
         return host, start, end, self.clock, inputs  # pinned inputs must outlive their copies
+
+    def idle(self) -> None:
+        """EP x DP with nothing scheduled on this rank: the forward's collectives with zero rows, queued on the
+        device after the steps before it, so that the ranks with rows are not left waiting."""
+        if self.device.type == "cuda":
+            with torch.cuda.stream(self.stream):
+                idle_forward(self.model.weights)
+        else:
+            self.worker.submit(idle_forward, self.model.weights)
 
     def shutdown(self) -> None:
         if self.device.type != "cuda":

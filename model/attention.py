@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import attention as attention_kernel, norm as norm_kernel, quant as quant_kernel, rope as rope_kernel
+from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.config import ModelArgs
 from model.quant import act_quant_fp4, act_quant_fp8
 from model.rope import apply_rope
@@ -57,7 +58,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return invariant.linear(x, self.weight)  # F.linear, or fixed row tiles in the mode
 
 
 class RMSNorm(nn.Module):
@@ -139,7 +140,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
 
     q [B,S,Hi,Di], w [B,S,Hi], keys [B,E,Di] -> [B,S,E] bf16; visible: [B,S] entry counts V(p).
     """
-    d = torch.einsum("bshd,btd->bsht", q, keys)
+    d = invariant.index_scores_dot(q, keys)  # einsum bshd,btd->bsht
     score = (d.relu_() * w.unsqueeze(-1)).sum(dim=2)
     entries = torch.arange(keys.size(1), device=keys.device)
     return score.masked_fill(entries >= visible.unsqueeze(-1), -torch.inf)
@@ -215,7 +216,7 @@ class Attention(nn.Module):
         rope(o[..., -self.rope_dim:], freqs, inverse=True)
         o = o.unflatten(-2, (self.n_groups, -1)).flatten(-2)  # [B,S,G,H·D/G]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        return self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
+        return self.wo_b(invariant.grouped_linear(o, wo_a).flatten(2))  # einsum bsgd,grd->bsgr
 
 
 def compressed_kv(latent: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -236,6 +237,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     """
     if use_attention_kernel(q):
         return attention_kernel.sparse_attn(q, kv, sink, idx, scale)
+    idx = invariant.attention_blocks(idx)  # the mode: whole blocks of 64
     B, S, H, D = q.shape
     qf = q.float()
     acc = torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device)
@@ -246,14 +248,14 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         blk = idx[..., t:t + SPARSE_ATTN_BLOCK].long()
         valid = blk >= 0
         kv_blk = kv[rows, blk.clamp_min(0)].float() * valid.unsqueeze(-1)  # [B,S,k,D]
-        s = torch.einsum("bshd,bskd->bshk", qf, kv_blk)
+        s = invariant.attention_scores(qf, kv_blk)  # einsum bshd,bskd->bshk
         s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale  # an fp32 multiply, as the kernel's
         prev = run_max
         run_max = torch.maximum(prev, s.amax(-1))
         rescale = torch.exp(prev - run_max)
         p = torch.exp(s - run_max.unsqueeze(-1))
         den = den * rescale + p.sum(-1)
-        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", p.to(q.dtype).float(), kv_blk)
+        acc = acc * rescale.unsqueeze(-1) + invariant.attention_values(p.to(q.dtype).float(), kv_blk)
     den = den + torch.exp(sink - run_max)
     return (acc / den.unsqueeze(-1)).to(q.dtype)
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.config import ConfigError, ModelArgs
 from model.parallel import Shard, engram_lookup
 from model.quant import dequantize_fp8_e8m0
@@ -178,6 +179,9 @@ class _Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant.linear(x, self.weight)  # F.linear, or fixed row tiles in the batch-invariant mode
+
 
 class Engram(nn.Module):
     """The Engram block before layer `layer_id` (spec §4.3): adds a gated n-gram value to each hc copy."""
@@ -194,7 +198,8 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """x [..., hc, dim] bf16, row_ids [..., n_hash_cols] -> [..., hc, dim] bf16."""
-        kv = self.wkv(self.embed(row_ids).to(self.q_weight.dtype).flatten(-2))  # [..., (hc+1)·dim]; bf16 rows are exact in fp32
+        rows = self.embed(row_ids).to(self.q_weight.dtype).flatten(-2)  # bf16 rows are exact in fp32
+        kv = self.wkv(rows)  # [..., (hc+1)·dim]; a released checkpoint swaps in its FP8 linear here
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         h = x.float()
         gate = self.gate(h, key.float().unflatten(-1, (self.hc_mult, self.dim)))  # [..., hc]
@@ -206,4 +211,4 @@ class Engram(nn.Module):
         weight = self.q_weight.float() * self.k_weight.float()  # [hc, dim]; only the product is ever used
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * weight * key).sum(-1) * rstd * self.dim**-0.5
-        return torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        return invariant.pointwise(torch.sigmoid, torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))

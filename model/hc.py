@@ -6,9 +6,9 @@ kernel. The stream is bf16; the coefficients stay fp32 and are never rounded.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import hc as hc_kernel
+from model import invariant  # batch-invariant mode hooks (issue #11)
 
 USE_KERNEL = True  # CUDA: kernels/hc.py's fused mixes, collapse and expand; False keeps the torch ops
 
@@ -23,9 +23,9 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     if h.is_cuda and USE_KERNEL:  # two Triton launches instead of ~95 ops (kernels/hc.py)
         return hc_kernel.hc_split_sinkhorn(hc_kernel.hc_mixes(h, fn, norm_eps), scale, base, hc, iters, hc_eps)
     x = h.flatten(-2).float()
-    mixes = F.linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    mixes = invariant.linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+    pre = invariant.pointwise(torch.sigmoid, mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps  # torch.sigmoid(..)
+    post = 2 * invariant.pointwise(torch.sigmoid, mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))  # [.., j, k]
     comb = torch.exp(comb - comb.amax(-1, keepdim=True))
     comb = comb / comb.sum(-1, keepdim=True) + hc_eps

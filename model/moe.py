@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import moe as moe_kernel
+from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.attention import Linear
 from model.config import ModelArgs
 from model.parallel import Shard, moe_forward
@@ -47,8 +48,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N,d] -> (weights fp32 [N,k], expert ids [N,k] in descending biased score)."""
-        logits = F.linear(x.float(), self.weight_fp32())
-        scores = F.softplus(logits if self.temp == 1 else logits / self.temp).sqrt()  # x / 1 is x: skipped
+        logits = invariant.linear(x.float(), self.weight_fp32())  # F.linear outside the mode
+        scores = invariant.pointwise(F.softplus, logits if self.temp == 1 else logits / self.temp).sqrt()  # x/1 skipped
         ids = (scores + self.bias).topk(self.topk, dim=-1).indices  # the bias only steers selection
         w = scores.gather(1, ids)
         if self.norm_topk_prob and self.topk > 1:
@@ -67,7 +68,7 @@ class Expert(nn.Module):
         g, u = self.w1(x).float(), self.w3(x).float()
         if self.limit > 0:
             u, g = u.clamp(-self.limit, self.limit), g.clamp(max=self.limit)
-        hidden = F.silu(g) * u
+        hidden = invariant.pointwise(F.silu, g) * u  # F.silu(g) outside the mode
         if weight is not None:
             hidden = weight * hidden
         return self.w2(hidden.to(x.dtype))

@@ -26,6 +26,7 @@ import torch
 from kernels.attention import paged_sparse_attn
 from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, use_attention_kernel, \
     window_index
+from model import invariant  # batch-invariant mode (issue #11)
 from model.engram import engram_history, hash_ids, start_history
 from model.hc import identity_pre_mix
 from model.transformer import Block, Transformer
@@ -61,8 +62,9 @@ class _Step:
 class PagedModel:
     """The batched forward over paged state; the parameters are `weights` (shared with the reference)."""
 
-    def __init__(self, weights: Transformer, num_blocks: int, num_slots: int):
+    def __init__(self, weights: Transformer, num_blocks: int, num_slots: int, batch_invariant: bool = False):
         self.weights, self.args = weights, weights.args
+        self.batch_invariant = batch_invariant  # every forward under model/invariant.py's mode
         a, dev = self.args, weights.head.weight.device
         self.num_blocks, self.num_slots = num_blocks, num_slots
         self.trash_block, self.trash_slot = num_blocks, num_slots  # write-only sinks for masked writes
@@ -81,6 +83,7 @@ class PagedModel:
         weights.warm(dev)
 
     @torch.inference_mode()
+    @invariant.scoped
     def forward(self, batch: ForwardBatch, all_logits: bool = False, capture=None) -> torch.Tensor:
         """fp32 logits of each row's last token [B, vocab] (or of every token [B, S, vocab]).
         `capture(layer, name, tensor)` sees every module output, as in model/reference.py."""
@@ -130,7 +133,7 @@ class PagedModel:
         capture(layer, "window_kv", kv)
         # window keys: positions < s from the slot's ring (index p % W), the rest from this chunk (W + p - s)
         if "window" not in cache:
-            pos = window_index(step.positions, W, b.decode)
+            pos = window_index(step.positions, W, invariant.window_decode_order(b.decode))
             start = b.start[:, None, None]
             cache["window"] = torch.where(pos < 0, -1, torch.where(pos >= start, W + pos - start, pos % W))
         idx, ckv_pool = cache["window"], None
@@ -145,7 +148,8 @@ class PagedModel:
                 keys = cache["keys", kv_source]
                 shared["topk"] = select_entries(args, block, x, qr, keys, step.positions, freqs, n_entries, shared)
                 capture(layer, "topk", shared["topk"])
-                window_len = torch.full_like(step.end, W) if b.decode else step.end.clamp(max=W)
+                decode_order = invariant.window_decode_order(b.decode)  # b.decode outside the mode
+                window_len = torch.full_like(step.end, W) if decode_order else step.end.clamp(max=W)
                 compressed_len = (step.end // r).clamp(max=args.index_topk)
                 topk = shared["topk"]  # one list for this index source and the layers that reuse it
                 cache["list"] = attention_list(idx, window_len, torch.where(topk >= 0, topk + W + S, -1),

@@ -34,10 +34,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.attention import Linear
 from model.checkpoint import CheckpointError, load_checkpoint, parameter_specs
 from model.config import ConfigError, ModelArgs
@@ -88,7 +88,7 @@ class FP8Linear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the dequantised weight lives for this matmul only; its values are exact in bf16
-        return F.linear(act_quant_fp8(x, WEIGHT_TILE), self.dense_weight().to(x.dtype))
+        return invariant.linear(act_quant_fp8(x, WEIGHT_TILE), self.dense_weight().to(x.dtype))  # F.linear, or tiles
 
 
 class FP4Linear(FP8Linear):

@@ -8,9 +8,9 @@ batched, paged form). Both call the same modules, so a module compares with iden
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.attention import Attention, RMSNorm
 from model.config import ModelArgs
 from model.engram import Engram, EngramLayout, compressed_token_map
@@ -124,4 +124,4 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         """Final collapse with the last f_pre, norm, and the fp32 head. [..., hc, d] -> [..., vocab] fp32."""
-        return F.linear(self.norm(hc_pre(h, pre_mix)).float(), self.head.weight)
+        return invariant.linear(self.norm(hc_pre(h, pre_mix)).float(), self.head.weight)  # F.linear outside the mode

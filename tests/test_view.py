@@ -1,7 +1,10 @@
 """`mdi-trace view` driven by keys (App.run_test and Pilot) on the committed example trace: every view is
 reachable by its key and shows the selected step, the jumps (step, time, request, event kind, command
 palette) move the selection every view shares, the timeline zooms, pans and finds idle gaps, the events
-view searches and filters, and a cut-short, a growing (--follow) and a damaged log each end well."""
+view searches and filters, and a cut-short, a growing (--follow) and a damaged log each end well. A run of two
+ranks (traces/examples/micro-2rank.rank{0,1}.mdt, recorded with `record --nproc 2`) opens as one: a lane set
+per rank on one time axis, per-rank counts, and R switching the other views (and their step numbers) to the
+next rank. Tab stays within the view on show."""
 import asyncio
 import io
 import shutil
@@ -63,7 +66,9 @@ async def test_each_view_is_reached_by_its_key_and_named_on_screen():
                                  ("4", "RequestsView", "Requests"), ("5", "ResourcesView", "Resources"),
                                  ("6", "EventsView", "Events"), ("1", "OverviewView", "Overview")):
             await pilot.press(key)
-            assert app.view == name and app.query_one("ContentSwitcher").current == name
+            await pilot.pause(0.05)
+            on_screen = [v.id for v in app.query("View") if v.region.y < app.size.height]
+            assert app.view == name and on_screen == [name]         # the others lie off screen
             assert f"{key} {title}" in shown_text(bar)
         overview = shown_text(app.query_one("#overview"))
         for word in ("16; finished: abort 1, length 15", "176 (24 prefill, 152 decode)", "computed tokens/s",
@@ -468,3 +473,136 @@ async def test_malformed_fields_give_a_sentence_or_a_marked_line_never_a_traceba
         await pilot.press("3", "down", "4", "down", "tab", "down", "5", "6", "down", "2", "1")
         assert app.error is None and "a malformed row" in app.model.step_detail(1)[3]
         assert "malformed schedule event" in app.model.lifeline_line(0, int(app.model.sched_event[0]))
+
+
+# ---- a run of several ranks (record --nproc 2): traces/examples/micro-2rank.rank{0,1}.mdt --------------------
+RUN = EXAMPLE.parent / "micro-2rank.mdt"    # the OUT of the record: only its rank logs exist
+
+
+def _device_columns(chart, rank_model, row):
+    """(drawn, expected) device lane of one rank: a naive scan of that rank's spans, shifted by its offset."""
+    lo, hi = chart.columns()
+    s, off = rank_model.steps, rank_model.offset
+    spans = [(a + off, e + off) for a, e in zip(s.device_start.tolist(), s.device_end.tolist()) if a >= 0]
+    want = "".join("█" if any(a < b_ and e > a_ for a, e in spans) else " " for a_, b_ in zip(lo.tolist(),
+                                                                                             hi.tolist()))
+    got = chart.render_line(row).text[chart.label:chart.label + len(lo)].replace("▒", "█")
+    return got, want
+
+
+def _help_text(app) -> str:
+    return " ".join(shown_text(w) for w in app.screen.query("Static"))
+
+
+@pytest.mark.asyncio
+async def test_a_two_rank_run_draws_a_device_lane_per_rank_on_one_time_axis():
+    app = TraceApp(str(RUN))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        run = app.logs
+        assert run.world_size == 2 and [m.rank for m in run.models] == [0, 1] and run.models[1].offset > 0
+        await pilot.press("2")
+        chart = app.query_one(TimelineChart)
+        labels = [chart.render_line(y).text[:chart.label].strip() for y in range(len(chart.rows))]
+        assert labels == ["time", *(f"r{r} {n}" for r in (0, 1) for n in ("schedule", "execute", "process",
+                                                                          "device", "overlap", "idle")), "r0 step"]
+        assert chart.size.height == len(chart.rows) == 14
+        # zoomed onto rank 1's first device span start: its lane is drawn at its own times plus its offset
+        m1 = run.models[1]
+        start = int(m1.steps.device_start[0]) + m1.offset
+        chart.t0, chart.span = start - 40 * 1000, chart.chart_width() * 1000    # 1 µs per column
+        await pilot.pause()
+        for rank, row in ((0, 4), (1, 10)):
+            got, want = _device_columns(chart, run.models[rank], row)
+            assert got == want, rank
+        got, _ = _device_columns(chart, m1, 10)
+        assert got[39] == " " and got[40] == "█"      # it starts at its offset, not at its own t
+
+
+@pytest.mark.asyncio
+async def test_a_two_rank_run_overview_names_the_ranks_and_counts_each():
+    app = TraceApp(str(RUN))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        text = shown_text(app.query_one("#overview"))
+        assert "2 rank logs" in text and "micro-2rank.rank0.mdt" in text and "micro-2rank.rank1.mdt" in text
+        for m in app.logs.models:
+            line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"rank {m.rank} ") and "events" in ln)
+            assert f"{len(m.index):,} events" in line and f"{len(m.steps)} steps" in line
+        assert "rank 0/2" in shown_text(app.query_one("#viewbar"))
+
+
+@pytest.mark.asyncio
+async def test_the_rank_key_switches_every_view_to_the_next_rank_and_step_numbers_are_per_rank():
+    app = TraceApp(str(RUN))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        m0, m1 = app.logs.models
+        assert " R  Rank " in shown_text(app.query_one("KeyBar"))
+        await pilot.press("3", "full_stop", "full_stop")
+        assert app.rank == 0 and app.step_row == 2
+        await pilot.press("R")
+        assert app.rank == 1 and app.model is m1 and "rank 1/2" in shown_text(app.query_one("#viewbar"))
+        assert m1.steps.step[app.step_row] == 2                     # the same step number, on rank 1
+        steps = app.query_one("#step-list", LineList)
+        assert steps.count == len(m1.steps) and steps.cursor == app.step_row
+        await pilot.press("4")
+        assert app.seq_id in m1.request_ids and app.query_one("#request-list", LineList).count == len(m1.request_ids)
+        last = int(m0.steps.step.max())                              # rank 0 has a step that rank 1 lacks
+        assert last > m1.steps.step.max()
+        await pilot.press("g", *str(last), "enter")
+        assert f"no step {last}" in notes(app) and app.rank == 1
+        await pilot.press("R", "g", *str(last), "enter")
+        assert app.rank == 0 and m0.steps.step[app.step_row] == last
+        await pilot.press("R")                                        # back to rank 1: where it was left
+        assert app.rank == 1 and m1.steps.step[app.step_row] == 2
+        seq0 = int(m0.request_ids[0])                                 # a request of the other rank: its rank
+        await pilot.press("r", *str(seq0), "enter")
+        assert app.rank == 0 and app.seq_id == seq0 and app.view == "RequestsView"
+        await pilot.press("6")
+        events = app.query_one("#event-list", LineList)
+        assert events.count == len(m0.index)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen) and "next rank of a run" in _help_text(app)
+
+
+@pytest.mark.asyncio
+async def test_a_rank_file_opens_the_whole_run_on_that_rank_and_a_single_log_has_no_rank_key():
+    app = TraceApp(str(RUN.with_name("micro-2rank.rank1.mdt")))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        assert app.logs.world_size == 2 and app.rank == 1
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        assert "Rank" not in shown_text(app.query_one("KeyBar")) and "rank" not in shown_text(app.query_one("#viewbar"))
+        await pilot.press("R")
+        assert app.rank == 0 and app.model.rank is None
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen) and "next rank" not in _help_text(app)
+
+
+def test_a_run_with_a_rank_log_missing_is_one_sentence_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+    shutil.copy(RUN.with_name("micro-2rank.rank0.mdt"), tmp_path / "run.rank0.mdt")
+    out = subprocess.run([sys.executable, "-m", "tui.cli", "view", str(tmp_path / "run.mdt")], capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert out.returncode == 2 and "run.rank1.mdt is missing" in out.stderr and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.asyncio
+async def test_tab_cycles_the_lists_of_the_view_on_show_only():
+    app = TraceApp(str(EXAMPLE))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("4")
+        assert app.focused.id == "request-list"
+        seen = []
+        for key in ("tab", "tab", "tab", "shift+tab"):
+            await pilot.press(key)
+            seen.append(app.focused.id)
+        assert seen == ["lifeline", "request-list", "lifeline", "request-list"]   # never a view off screen
+        await pilot.press("3", "tab", "tab")
+        assert app.focused.id == "step-list"

@@ -1,4 +1,5 @@
-"""SVG snapshots of every view of `mdi-trace view` on the committed example trace, at 80x24 and 160x48
+"""SVG snapshots of every view of `mdi-trace view` on the committed example trace, at 80x24 and 160x48, and of
+the timeline of the committed two-rank run at 160x48
 (pytest-textual-snapshot). Nothing on screen depends on the clock: the times shown are the log's own, the
 verify subprocess is off, and each snapshot waits for the index. After a deliberate change, look at the
 diff (`pytest tests/test_view_snapshots.py --snapshot-report`) before `--snapshot-update`."""
@@ -40,3 +41,10 @@ def test_view_snapshot(snap_compare, monkeypatch, view, keys, size):
 def test_help_snapshot(snap_compare, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert snap_compare(TraceApp(EXAMPLE), run_before=_settled(["question_mark"]), terminal_size=(100, 30))
+
+
+def test_two_rank_timeline_snapshot(snap_compare, monkeypatch):
+    """A run of two ranks (record --nproc 2): both ranks' lanes on one time axis, rank 1 on show."""
+    monkeypatch.chdir(ROOT)
+    assert snap_compare(TraceApp("traces/examples/micro-2rank.mdt"),
+                        run_before=_settled(["2", "R", "full_stop", "full_stop"]), terminal_size=(160, 48))

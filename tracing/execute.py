@@ -128,7 +128,8 @@ def check_tokens(trace: TraceFile, model: str | None = None, device: str = "cpu"
         raise TraceError(f"the trace has no step {step}.")
     note = platform_note(trace, weights)
     result = ExecuteResult(cut=trace.cut, same_platform=not note, platform_note=note)
-    runner = ModelRunner(weights, engine["num_kv_blocks"], engine["num_state_slots"])
+    runner = ModelRunner(weights, engine["num_kv_blocks"], engine["num_state_slots"],
+                         batch_invariant=engine.get("batch_invariant", False))  # recorded in the mode: replay in it
     tied: set[int] = set()  # requests past a near tie (other platforms only)
     try:
         for i, batch in enumerate(batches):

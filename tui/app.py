@@ -1,11 +1,17 @@
-"""`mdi-trace view`: the Textual app over one log (ARCHITECTURE.md §7).
+"""`mdi-trace view`: the Textual app over one log, or over every rank's log of a run (ARCHITECTURE.md §7-§8).
 
 The app owns the selection, shared by every view, in reactive attributes: `step_row` (a row of the
 index's StepTable), `seq_id` (a request) and `event_index` (an event). Views ask for a change with the
 messages of tui/messages.py; only the view on screen redraws when the selection moves, the others catch up
-when shown. The log is indexed in a worker thread after the first paint (the header and footer are read
-at once), `--follow` re-indexes a log that grows, and `--verify` runs `mdi-trace verify` in a subprocess
-(the viewer itself imports neither torch nor engine/).
+when shown. A run of several ranks (tracing/ranks.py) is one `RunModel` (`logs`): the Timeline draws every
+rank on one time axis, the other views show one rank at a time (`rank`, switched with R; each rank keeps
+its own selection, and step numbers are per rank). The log is indexed in a worker thread after the first
+paint (the header and footer are read at once), `--follow` re-indexes a log that grows, and `--verify` runs
+`mdi-trace verify` in a subprocess (the viewer itself imports neither torch nor engine/).
+
+Every key is drawn in one frame (issue #5: under 50 ms): all six views stay laid out, the ones not on show
+off screen, so a switch moves two of them and resizes nothing; a key's effects are gathered for a few ms
+before the screen draws them (`hold_frame`); a view catches up only with the selection that changed.
 """
 from __future__ import annotations
 
@@ -14,15 +20,16 @@ import sys
 import time
 
 from rich.text import Text
-from textual import work
+from textual import events, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.reactive import reactive
-from textual.widgets import ContentSwitcher, Static
+from textual.containers import Container
+from textual.widgets import Input, Static
 from textual.worker import get_current_worker
 
 from tracing.reader import TraceError
-from tui.data import KIND_NAMES, TraceModel
+from tui.data import KIND_NAMES, RunModel, TraceModel
 from tui.dialogs import Ask, JumpCommands
 from tui.format import parse_int, parse_time
 from tui.help import HelpScreen
@@ -39,15 +46,20 @@ from tui.views.timeline import TimelineView
 VIEWS = (OverviewView, TimelineView, StepsView, RequestsView, ResourcesView, EventsView)
 FOLLOW_EVERY = 1.0     # seconds between two looks at a followed log's size
 VERIFY_TIMEOUT = 600   # seconds
+OFF_SCREEN = 10000     # rows: where the views not on show lie (see watch_view)
+KEY_FRAME = 0.008      # seconds: what a key changes (lists, bars, the focus) is gathered into one frame
 
 
 class TraceApp(App):
-    """One log, six views. `error` holds the sentence that ended the app, if a damaged log did."""
+    """One log (or one run of rank logs), six views. `error` holds the sentence that ended the app, if a
+    damaged log did."""
 
     TITLE = "mdi-trace view"
     CSS = """
     #viewbar { height: 1; background: $panel; }
-    ContentSwitcher { height: 1fr; }
+    #views { height: 1fr; }
+    #views > View { position: absolute; width: 100%; height: 100%; offset-y: 10000; }  /* OFF_SCREEN */
+    #views > #OverviewView { offset-y: 0; }
     """
     COMMANDS = App.COMMANDS | {JumpCommands}
     BINDINGS = [*(Binding(v.key, f"view('{v.__name__}')", v.title, show=False) for v in VIEWS),
@@ -55,6 +67,7 @@ class TraceApp(App):
                 Binding("full_stop", "step(1)", "Next step", key_display="."),
                 Binding("g", "ask_step", "Step"), Binding("t", "ask_time", "Time"),
                 Binding("r", "ask_request", "Request"), Binding("k", "ask_kind", "Kind"),
+                Binding("R", "rank(1)", "Rank"),
                 Binding("left_square_bracket", "kind(-1)", "Prev kind", show=False, key_display="["),
                 Binding("right_square_bracket", "kind(1)", "Next kind", show=False, key_display="]"),
                 Binding("question_mark", "help", "Help", key_display="?"), Binding("q", "quit", "Quit")]
@@ -64,11 +77,13 @@ class TraceApp(App):
     event_index = reactive(0)
     view = reactive("OverviewView")
 
-    def __init__(self, path: str, follow: bool = False, verify: bool = False, model: TraceModel | None = None):
+    def __init__(self, path: str, follow: bool = False, verify: bool = False, run: RunModel | None = None):
         started = time.perf_counter()
         super().__init__()
         self.started = started
-        self.model = model or TraceModel(path)   # TraceError for a missing or unreadable file, before any drawing
+        self.logs = run or RunModel(path)   # TraceError for a missing or unreadable file, before any drawing
+        self.rank = self.logs.start_rank    # the rank the views other than the Timeline show
+        self.kept: dict[int, tuple[int, int, int]] = {}   # rank -> (step_row, seq_id, event_index) left there
         self.follow, self.run_verify = follow, verify
         self.verify_lines: list[str] | None = None
         self.error: str | None = None
@@ -78,10 +93,30 @@ class TraceApp(App):
 
     def compose(self):
         yield Static(id="viewbar")
-        with ContentSwitcher(initial="OverviewView"):
+        with Container(id="views"):   # every view laid out at once, one visible: see watch_view
             for v in VIEWS:
                 yield v(id=v.__name__)
         yield KeyBar()
+
+    async def on_event(self, event: events.Event) -> None:
+        # A key's effects reach the screen over several message hops (a list's cursor, then the selection,
+        # then the other widgets, the focus, the bars); drawn as they come, they took up to four frames. Held
+        # back a few ms, they are drawn in one. Not while typing into a box: its Enter closes it, and what
+        # the box asked for (a search, a filter) must find the view laid out without it.
+        if isinstance(event, events.Key) and not isinstance(self.focused, Input):
+            self.hold_frame()
+        await super().on_event(event)
+
+    def hold_frame(self) -> None:
+        """Draw nothing for KEY_FRAME seconds, then only what changed (`delay_update` would then repaint the
+        whole screen, a frame's worth of time more)."""
+        batch = self.batch_update()
+        batch.__enter__()
+
+        def release() -> None:
+            batch.__exit__(None, None, None)
+            self.screen.check_idle()   # the screen then draws what its widgets marked meanwhile
+        self.set_timer(KEY_FRAME, release, name="hold_frame")
 
     def on_mount(self) -> None:
         self._viewbar()
@@ -95,7 +130,12 @@ class TraceApp(App):
         """The first screen is up (header and footer only): now index the log, in a worker."""
         self.first_paint = time.perf_counter() - self.started
         self.loading = True
-        self._load(self.model)
+        self._load(self.logs)
+
+    @property
+    def model(self) -> TraceModel:
+        """The log of the rank on show (the only one for a single-process log)."""
+        return self.logs.models[self.rank]
 
     @property
     def current(self) -> View:
@@ -103,22 +143,22 @@ class TraceApp(App):
 
     # ---- loading, following, verifying -----------------------------------------------------------
     @work(thread=True, exclusive=True, group="load")
-    def _load(self, model: TraceModel) -> None:
+    def _load(self, run: RunModel) -> None:
         try:
-            model.load(lambda offset: self.post_message(Progress(offset, model.size)))
+            run.load(lambda offset: self.post_message(Progress(offset, run.size)))
         except TraceError as e:
             self.call_from_thread(self._failed, str(e))
             return
         except (ValueError, TypeError, IndexError, KeyError, OverflowError) as e:   # a log no check foresaw
-            self.call_from_thread(self._failed, f"{model.path} could not be indexed ({type(e).__name__}: {e}).")
+            self.call_from_thread(self._failed, f"{run.path} could not be indexed ({type(e).__name__}: {e}).")
             return
         if not get_current_worker().is_cancelled:   # a newer load replaced this one
-            self.call_from_thread(self._swap, model)
+            self.call_from_thread(self._swap, run)
 
-    def _swap(self, model: TraceModel) -> None:
+    def _swap(self, run: RunModel) -> None:
         old = self.model
         self.at_tail = bool(old.ready and len(old.steps) and self.step_row >= len(old.steps) - 1)
-        self.model = model
+        self.logs = run
         self.post_message(Loaded())
 
     def _failed(self, message: str) -> None:
@@ -141,10 +181,12 @@ class TraceApp(App):
         self.step_row = min(self.step_row, max(len(steps) - 1, 0))
         self.query_one("#OverviewView", View).loaded()
         self._sync(self.current)
+        self.call_after_refresh(self._sync_all, self.generation)   # the others: a switch then finds them ready
         self._viewbar()
-        if self.model.index.cut and not self.follow:
-            self.notify(str(self.model.index.cut), severity="warning", timeout=8)
-        if self.follow and self.model.trace.clean:
+        for m in self.logs.models:
+            if m.index.cut and not self.follow:
+                self.notify(str(m.index.cut), severity="warning", timeout=8)
+        if self.follow and self.logs.clean:
             self.follow = False
             self.notify("the log is complete (footer written): no longer following")
 
@@ -153,16 +195,15 @@ class TraceApp(App):
         if not self.follow or self.loading:
             return
         try:
-            size = self.model.path.stat().st_size
-            if size != self.model.size:
+            if self.logs.grown():
                 self.loading = True
-                self._load(TraceModel(self.model.path))
+                self._load(RunModel(self.logs.path))
         except (OSError, TraceError) as e:
-            self.notify(f"following {self.model.path}: {e}", severity="error")
+            self.notify(f"following {self.logs.path}: {e}", severity="error")
 
     @work(thread=True, group="verify")
     def _verify(self) -> None:
-        cmd = [sys.executable, "-m", "tui.cli", "verify", str(self.model.path)]
+        cmd = [sys.executable, "-m", "tui.cli", "verify", str(self.logs.path)]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=VERIFY_TIMEOUT)
             lines = (out.stdout + out.stderr).splitlines() or ["verify printed nothing"]
@@ -176,39 +217,58 @@ class TraceApp(App):
 
     # ---- the selection -------------------------------------------------------------------------------
     def _sync(self, view: View) -> None:
-        """Bring a view up to date with the model and the selection."""
+        """Bring a view up to date with the model and the selection: only what changed since it was last on
+        show, so that going back to a view redraws nothing that it already shows."""
         if not self.model.ready:
             return
-        if view.generation != self.generation:
-            view.generation = self.generation
+        if view.generation != (self.generation, self.rank):
+            view.generation = (self.generation, self.rank)
+            view.shown_selection = (None, None, None)
             view.loaded()
-        view.show_step(self.step_row)
-        view.show_request(self.seq_id)
-        view.show_event(self.event_index)
+        self._show(view, 0, self.step_row)
+        self._show(view, 1, self.seq_id)
+        self._show(view, 2, self.event_index)
+
+    def _sync_all(self, generation: int) -> None:
+        """Bring the views not on show up to date too (off screen, they are laid out but not drawn), so that
+        the first switch to one redraws only what a later one would."""
+        if generation == self.generation:
+            for view in self.query(View):
+                self._sync(view)
+
+    @staticmethod
+    def _show(view: View, k: int, value: int) -> None:
+        """Tell `view` that selection `k` (step row, request, event) is `value`, unless it already shows it."""
+        if view.shown_selection[k] != value:
+            (view.show_step, view.show_request, view.show_event)[k](value)
+            view.shown_selection = (*view.shown_selection[:k], value, *view.shown_selection[k + 1:])
 
     def watch_step_row(self, row: int) -> None:
         if self.model.ready:
-            self.current.show_step(row)
+            self._show(self.current, 0, row)
         self._viewbar()
 
     def watch_seq_id(self, seq_id: int) -> None:
         if self.model.ready:
-            self.current.show_request(seq_id)
+            self._show(self.current, 1, seq_id)
         self._viewbar()
 
     def watch_event_index(self, index: int) -> None:
         if self.model.ready:
-            self.current.show_event(index)
+            self._show(self.current, 2, index)
 
-    def watch_view(self, name: str) -> None:
-        self.query_one(ContentSwitcher).current = name
+    def watch_view(self, old: str, name: str) -> None:
+        # Every view keeps its place and size, those not on show OFF_SCREEN rows down: a switch moves two of
+        # them, so no widget is resized or shown anew (a ContentSwitcher's display toggle made every widget of
+        # the view new to the compositor: resize and show events, scrollbars rebuilt, frames more per key).
+        self.hold_frame()   # a switch from the command palette: one frame too
+        self.query_one(f"#{old}", View).styles.offset = (0, OFF_SCREEN)
         view = self.current
+        view.styles.offset = (0, 0)
         self._sync(view)
         focusable = [w for w in view.query("*") if w.can_focus]
-        if focusable:
-            focusable[0].focus()
-        else:
-            self.set_focus(None)
+        self.screen.set_focus(focusable[0] if focusable else None)
+        self.query_one(KeyBar).show_keys(self.screen)   # in this frame, not the next
         self._viewbar()
 
     def on_step_chosen(self, message: StepChosen) -> None:
@@ -247,6 +307,8 @@ class TraceApp(App):
         elif self.model.ready and len(self.model.steps):
             text.append(f" step {self.model.steps.step[self.step_row]} · {'req' if narrow else 'request'} "
                         f"{self.seq_id}", "bold")
+        if self.logs.world_size > 1:
+            text.append(f" · rank {self.rank}/{self.logs.world_size}", "bold #5fd7ff")
         if self.follow:
             text.append("  following", "#5fd75f")
         self.query_one("#viewbar", Static).update(text, layout=False)
@@ -259,7 +321,38 @@ class TraceApp(App):
         self._select_step(self.step_row + delta)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(several_ranks=self.logs.world_size > 1))
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        """The rank key exists only for a run of several ranks (a single log's key bar stays as it was)."""
+        return action != "rank" or self.logs.world_size > 1
+
+    def action_rank(self, delta: int) -> None:
+        self.switch_rank((self.rank + delta) % self.logs.world_size)
+
+    def switch_rank(self, rank: int) -> None:
+        """Show rank `rank` in the views: its own last selection, else the same step number and its first
+        request. The Timeline keeps every rank and marks the one on show."""
+        if rank == self.rank or not self.logs.ready:
+            self.rank = rank
+            self._viewbar()
+            return
+        step = int(self.model.steps.step[self.step_row]) if len(self.model.steps) else 0
+        self.kept[self.rank] = (self.step_row, self.seq_id, self.event_index)
+        self.rank = rank
+        m = self.model
+        if rank in self.kept:
+            row, seq, event = self.kept[rank]
+        else:
+            row = m.step_row(step) if len(m.steps) else 0
+            row = max(min(len(m.steps) - 1, self.step_row) if row is None else row, 0)
+            seq = int(m.request_ids[0]) if len(m.request_ids) else 0
+            event = int(m.sched_event[row]) if len(m.steps) else 0
+        self.set_reactive(TraceApp.step_row, row)
+        self.set_reactive(TraceApp.seq_id, seq)
+        self.set_reactive(TraceApp.event_index, event)
+        self._sync(self.current)
+        self._viewbar()
 
     def action_ask_step(self) -> None:
         self.push_screen(Ask("Go to step", "a step number"), lambda v: v and self.jump_step(v))
@@ -305,7 +398,7 @@ class TraceApp(App):
         def go():
             if not len(self.model.steps):
                 raise ValueError("this log has no steps yet.")
-            self._select_step(self.model.index.step_of_time(parse_time(text)))
+            self._select_step(self.model.index.step_of_time(parse_time(text) - self.model.offset))
             if self.view == "OverviewView":
                 self.view = "TimelineView"
         self._guard(go)
@@ -314,7 +407,10 @@ class TraceApp(App):
         def go():
             seq = parse_int(text, "request")
             if seq not in self.model.request_ids:
-                raise ValueError(f"there is no request {seq} in this log.")
+                ranks = [m.rank for m in self.logs.models if seq in m.request_ids]
+                if not ranks:
+                    raise ValueError(f"there is no request {seq} in this log.")
+                self.switch_rank(ranks[0])   # a run's requests are spread over its ranks
             self.seq_id = seq
             self.view = "RequestsView"
         self._guard(go)
@@ -347,9 +443,10 @@ class TraceApp(App):
 
 
 def run_view(path: str, follow: bool = False, verify: bool | None = None) -> int:
-    """`mdi-trace view`: the exit code; a damaged log raises TraceError (one sentence) after the app ends."""
-    model = TraceModel(path)
-    app = TraceApp(path, follow=follow, verify=model.size < (32 << 20) if verify is None else verify, model=model)
+    """`mdi-trace view`: the exit code; a damaged log raises TraceError (one sentence) after the app ends. PATH is
+    a log, one rank's log, or the OUT of `record --nproc N` (every rank's log is opened)."""
+    run = RunModel(path)
+    app = TraceApp(path, follow=follow, verify=run.size < (32 << 20) if verify is None else verify, run=run)
     app.run()
     if app.error:
         raise TraceError(app.error)

@@ -106,6 +106,8 @@ def _record_parser(sub) -> None:
     rec.add_argument("--seed", type=int, default=0, help="seed of the prompts, the cancellations and the sampler")
     rec.add_argument("--zos", action=argparse.BooleanOptionalAction, default=True,
                      help="zero-overhead scheduling: schedule step N while the device runs N-1")
+    rec.add_argument("--batch-invariant", action="store_true",
+                     help="logits bitwise independent of batching and chunking (model/invariant.py; CPU)")
     rec.add_argument("--max-num-batched-tokens", type=_positive, default=512)
     rec.add_argument("--max-num-seqs", type=_positive, default=8)
     rec.add_argument("--num-kv-blocks", type=_positive, default=24,
@@ -142,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="a trace's header and summary, and whether it was cut short")
     info.add_argument("trace")
     view = sub.add_parser("view", help="the trace viewer: timeline, steps, requests, resources, events (a TUI)")
-    view.add_argument("trace")
+    view.add_argument("trace", help="a log, one rank's log, or the OUT of `record --nproc N` (opens every rank)")
     view.add_argument("--follow", action="store_true", help="tail a log that is still being written")
     view.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                       help="run `mdi-trace verify` in the background and show its findings "
@@ -342,7 +344,7 @@ def _record(a, argv: list[str]) -> int:
     try:
         llm = LLM(a.model, device=a.device, enable_zos=a.zos, max_num_batched_tokens=a.max_num_batched_tokens,
                   max_num_seqs=a.max_num_seqs, num_kv_blocks=a.num_kv_blocks, num_state_slots=a.num_state_slots,
-                  tracer=recorder, seed=a.seed, shard=shard)
+                  tracer=recorder, seed=a.seed, shard=shard, batch_invariant=a.batch_invariant)
     except BaseException as e:
         recorder.file.close()
         path.unlink(missing_ok=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tracing.index import BLOCK_EVENTS, SLOT_EVENTS, TraceIndex
+from tracing.ranks import open_run
 from tracing.reader import Event, TraceError, TraceFile
 from tracing.schema import BATCH_KINDS, EVENTS, FINISH_REASONS, KIND, ROW_FIELDS
 from tui.format import EventFilter, describe, fmt_ns, short_list
@@ -37,12 +38,14 @@ REQUEST_HEADER = f"{'seq':>5} {'prompt':>6} {'tokens':>6} {'preempt':>7} finish"
 class TraceModel:
     """One log and its index; `load()` must have run before anything but `path`, `header`, `trace`."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, trace: TraceFile | None = None, rank: int | None = None, offset: int = 0):
         self.path = Path(path)
-        self.trace = TraceFile(self.path)        # TraceError for a missing, empty or foreign file
+        self.trace = trace or TraceFile(self.path)   # TraceError for a missing, empty or foreign file
         self.header = self.trace.header
         self.size = len(self.trace.data)
         self.index: TraceIndex | None = None
+        self.rank = rank         # this log's rank in a run of several, else None
+        self.offset = offset     # ns added to this log's times to put every rank of the run on one axis
 
     @property
     def ready(self) -> bool:
@@ -54,6 +57,7 @@ class TraceModel:
         self.steps, self.lanes = ix.steps, Lanes(ix.steps)
         self.sched_event = np.flatnonzero(ix.kind == SCHEDULE)                 # event index per step row
         self._step_sorted = np.argsort(ix.steps.step, kind="stable")
+        self._steps_in_order = ix.steps.step[self._step_sorted]
         seqs = np.concatenate([ix.seq_id[ix.seq_id >= 0], ix._row_seq])
         self.request_ids = np.unique(seqs).astype(np.int64)
         self.prompt_len = self._per_seq(ix, "request_added", lambda e: len(e.prompt_token_ids))
@@ -84,13 +88,13 @@ class TraceModel:
     def step_row(self, step: int) -> int | None:
         """The StepTable row of step number `step`, or None."""
         order = self._step_sorted
-        k = int(np.searchsorted(self.steps.step[order], step))
+        k = int(np.searchsorted(self._steps_in_order, _i32(step)))
         return int(order[k]) if k < len(order) and self.steps.step[order[k]] == step else None
 
     def rows_of_steps(self, steps: np.ndarray) -> np.ndarray:
         """StepTable rows of step numbers that exist (vectorized `step_row`)."""
         order = self._step_sorted
-        k = np.clip(np.searchsorted(self.steps.step[order], steps), 0, max(len(order) - 1, 0))
+        k = np.clip(np.searchsorted(self._steps_in_order, steps.astype(np.int32)), 0, max(len(order) - 1, 0))
         return order[k] if len(order) else np.zeros(0, np.int64)
 
     def row_of_event(self, i: int) -> int:
@@ -114,7 +118,7 @@ class TraceModel:
         s, e = self.steps, self.schedule_event(r)
         step = int(s.step[r])
         sampled = {}
-        for i in self.index.events_of_step(step):
+        for i in self.index.events_of_step(_i32(step)):
             if self.index.kind[i] == TOKEN:
                 t = self.index.event_at(i)
                 sampled[t.seq_id] = f"{t.token_id}" + ("" if t.appended else " stale")
@@ -124,7 +128,8 @@ class TraceModel:
             if start >= 0)
         gap = self.lanes.gap_before(r)
         lines = [f"step {step}: {batch_kind(e)}, {len(e.rows)} rows, {s.tokens[r]} tokens, "
-                 f"scheduled at {fmt_ns(e.t)}" + (f", preempted {short_list(e.preempted)}" if e.preempted else ""),
+                 f"scheduled at {fmt_ns(e.t + self.offset)}"
+                 + (f", preempted {short_list(e.preempted)}" if e.preempted else ""),
                  f"  {spans}" + (f"  device idle {fmt_ns(gap)} before it" if gap else ""),
                  DETAIL_HEADER]
         for raw in e.rows:
@@ -153,7 +158,7 @@ class TraceModel:
     def lifeline(self, seq: int) -> tuple[list[str], np.ndarray]:
         """(summary lines, event indices) of one request: every event that names it or schedules it."""
         ix = self.index
-        evs = ix.events_of_request(seq)
+        evs = ix.events_of_request(_i32(seq))
         kinds = ix.kind[evs]
         rows = self.rows_of_steps(ix.step[evs[kinds == SCHEDULE]])
         prefill = int(np.count_nonzero(self.steps.kind[rows] == 0)) if len(rows) else 0
@@ -161,7 +166,8 @@ class TraceModel:
         head = f"request {seq}"
         if len(added):
             a = ix.event_at(int(added[0]))
-            head += (f": arrived at {fmt_ns(ix.t[added[0]])}, prompt {self.prompt_len.get(seq, '?')} tokens, "
+            head += (f": arrived at {fmt_ns(ix.t[added[0]] + self.offset)}, "
+                     f"prompt {self.prompt_len.get(seq, '?')} tokens, "
                      f"max_tokens {a.max_tokens}, temperature {a.temperature}")
         counts = (f"  {prefill} prefill chunks, {len(rows) - prefill} decode steps, "
                   f"{np.count_nonzero(kinds == KIND['reservation'])} reservations, "
@@ -180,11 +186,11 @@ class TraceModel:
         try:
             return self._lifeline_line(seq, i)
         except (TypeError, ValueError, KeyError, IndexError):
-            return f"{fmt_ns(self.index.t[i]):>10} a malformed {EVENTS[int(self.index.kind[i])][0]} event"
+            return f"{fmt_ns(self.index.t[i] + self.offset):>10} a malformed {EVENTS[int(self.index.kind[i])][0]} event"
 
     def _lifeline_line(self, seq: int, i: int) -> str:
         e = self.index.event_at(i)
-        when = f"{fmt_ns(self.index.t[i]):>10}"
+        when = f"{fmt_ns(self.index.t[i] + self.offset):>10}"
         if e.kind != "schedule":
             step = self.index.step[i]
             return f"{when} {'' if step < 0 else f'step {step}':>10} {e.kind:<13} {describe(e)}".rstrip()
@@ -205,7 +211,8 @@ class TraceModel:
         return self._event_cache(int(i))
 
     def _event_line(self, i: int) -> str:
-        return format_event(i, self.index.event_at(i), int(self.index.t[i]))
+        t = int(self.index.t[i])
+        return format_event(i, self.index.event_at(i), t + self.offset if t >= 0 else t)
 
     def filtered(self, f: EventFilter) -> np.ndarray:
         """Indices of the events that pass `f`, in log order."""
@@ -215,7 +222,7 @@ class TraceModel:
             keep &= np.isin(ix.kind, [KIND[k] for k in f.kinds])
         if f.seq_id is not None:
             mask = np.zeros(len(ix), dtype=bool)
-            mask[ix.events_of_request(f.seq_id)] = True
+            mask[ix.events_of_request(_i32(f.seq_id))] = True
             keep &= mask
         if f.steps is not None:
             keep &= (ix.step >= f.steps[0]) & (ix.step <= f.steps[1])
@@ -299,6 +306,17 @@ class TraceModel:
                  ("idle gaps", self._gaps_text())]
         return rows
 
+    def counts(self) -> str:
+        """One line of this log's counts: the Overview's row for a rank of a run."""
+        if not self.ready:
+            return "indexing…"
+        ix, s = self.index, self.steps
+        prefill = int(np.count_nonzero(s.kind == 0))
+        return (f"{len(ix):,} events, {len(self.request_ids)} requests, {len(s):,} steps ({prefill:,} prefill), "
+                f"{int(np.count_nonzero(ix.kind == TOKEN)):,} tokens sampled, "
+                f"{int(np.count_nonzero(ix.kind == KIND['preempt']))} preemptions, "
+                f"device busy {fmt_ns(self.lanes.device_busy)}")
+
     def _gaps_text(self) -> str:
         lanes = self.lanes
         if not len(lanes.gap_len):
@@ -310,6 +328,68 @@ class TraceModel:
     def warnings(self) -> list[str]:
         cut = self.index.cut if self.ready else None
         return [f"{cut}."] if cut else []
+
+
+class RunModel:
+    """The logs of one run (tracing/ranks.py): one TraceModel per rank, each with its rank and time offset,
+    or a single TraceModel for a single-process log. `start_rank`: the rank whose own file was named."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        run = open_run(self.path)    # TraceError for a missing, foreign or mismatched set of files
+        several = run.world_size > 1
+        self.models = [TraceModel(t.path, t, k if several else None, run.offset_ns(k) if several else 0)
+                       for k, t in enumerate(run.traces)]
+        self.start_rank = run.named_rank or 0
+        self.header = run.header
+
+    @property
+    def world_size(self) -> int:
+        return len(self.models)
+
+    @property
+    def size(self) -> int:
+        return sum(m.size for m in self.models)
+
+    @property
+    def ready(self) -> bool:
+        return all(m.ready for m in self.models)
+
+    @property
+    def clean(self) -> bool:
+        return all(m.trace.clean for m in self.models)
+
+    def grown(self) -> bool:
+        """Whether any rank's log has changed size since it was opened (OSError if one is gone)."""
+        return any(m.path.stat().st_size != m.size for m in self.models)
+
+    def load(self, progress=None) -> None:
+        """Index every rank's log in turn; `progress(offset)` counts bytes over the whole run."""
+        done = 0
+        for m in self.models:
+            m.load(None if progress is None else lambda offset, base=done: progress(base + offset))
+            done += m.size
+
+    def time_range(self) -> tuple[int, int]:
+        """(first, last) ns of every rank's lanes on the run's time axis."""
+        return (min(int(m.lanes.t_min) + m.offset for m in self.models),
+                max(int(m.lanes.t_max) + m.offset for m in self.models))
+
+    def overview(self, rank: int) -> list[tuple[str, str]]:
+        """The Overview's rows: a single log's own, or the run's, one counts row per rank, then rank `rank`'s."""
+        model = self.models[rank]
+        rows = model.overview()
+        if self.world_size == 1:
+            return rows
+        rows[0] = ("trace", f"{self.path} ({self.size / 1024:,.0f} KiB in {self.world_size} rank logs)")
+        rows.insert(3, ("ranks", f"{self.world_size} (EP x DP, run id {self.header.get('run_id')}): "
+                                 + ", ".join(f"rank {m.rank} {m.path.name} (t0 +{fmt_ns(m.offset)})"
+                                             for m in self.models)))
+        for m in self.models:
+            rows.insert(4 + m.rank, (f"rank {m.rank}", m.counts()))
+        rows.insert(4 + self.world_size, ("", ""))
+        rows.insert(5 + self.world_size, (f"rank {rank} ▸", "the rows below (R: next rank)"))
+        return rows
 
 
 def format_event(i: int, e: Event, t: int) -> str:
@@ -324,6 +404,12 @@ def batch_kind(e: Event) -> str:
     """A schedule event's batch kind (its field `kind`; `Event.kind` is the event's own kind name)."""
     code = e.fields[2]
     return BATCH_KINDS[code] if code in (0, 1) else "?"
+
+
+def _i32(value: int) -> np.int32:
+    """A step or seq_id to search the index's int32 columns with: a Python int would make numpy convert the
+    whole column to int64 first, 20 ms a lookup at 10M events (the key budget is 50 ms)."""
+    return np.int32(max(min(int(value), np.iinfo(np.int32).max), np.iinfo(np.int32).min))
 
 
 def _dur(ns) -> str:

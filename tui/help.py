@@ -1,5 +1,6 @@
 """The keys of `mdi-trace view`, in one table (the help screen shows it; the README copies it), and the
-help screen itself. `?` opens it; Escape, `q` or `?` close it.
+help screen itself. `?` opens it; Escape, `q` or `?` close it. The rank key is listed only for a run of
+several ranks, the only place it works.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ KEYS = [
     ("everywhere", "ctrl+p", "command palette: type `step 4812`, `time 2s`, `request 12`, `next preempt`"),
     ("everywhere", "tab", "next list in the view"),
     ("everywhere", "?  /  q", "this help  /  quit"),
+    ("everywhere", "R", "next rank of a run (the Timeline draws every rank; the other views show one)"),
     ("lists", "↑ ↓ PgUp PgDn Home End", "move; Enter on a lifeline event selects its step"),
     ("Timeline", "+ / -", "zoom in / out around the selected step"),
     ("Timeline", "← → (h l)", "pan"),
@@ -29,12 +31,13 @@ KEYS = [
 ]
 
 
-def keys_table() -> Table:
+def keys_table(several_ranks: bool = True) -> Table:
     table = Table(box=None, padding=(0, 2), show_header=True, header_style="bold")
     for col in ("where", "keys", "what"):
         table.add_column(col)
     for row in KEYS:
-        table.add_row(*row)
+        if several_ranks or row[1] != "R":
+            table.add_row(*row)
     return table
 
 
@@ -46,7 +49,11 @@ class HelpScreen(ModalScreen):
     """
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
 
+    def __init__(self, several_ranks: bool = False):
+        super().__init__()
+        self.several_ranks = several_ranks
+
     def compose(self):
         with VerticalScroll():
             yield Static("[b]mdi-trace view[/b]: the keys (Escape closes)\n")
-            yield Static(keys_table())
+            yield Static(keys_table(self.several_ranks))

@@ -1,11 +1,16 @@
 """`KeyBar`: the footer line of the viewer: the keys that work where the focus is (the screen's active
 bindings that are marked `show`), redrawn only when they change. Textual's Footer rebuilds a widget per
-key on every focus change, which costs a keypress more than the 50 ms budget on a slow machine.
+key on every focus change, which costs a keypress more than the 50 ms budget on a slow machine. The app calls
+`show_keys` itself right after it moves the focus, so that the new keys reach the screen in the same frame
+as the view they belong to (the screen's signal comes a frame later and then finds nothing to change).
 """
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import Static
+
+
+FIRST = {"Help": 0, "Quit": 1, "Rank": 2}   # Rank: only in a run of several ranks (tui/app.py)
 
 
 class KeyBar(Static):
@@ -14,17 +19,17 @@ class KeyBar(Static):
     """
 
     def on_mount(self) -> None:
-        self.screen.bindings_updated_signal.subscribe(self, self._changed)
+        self.screen.bindings_updated_signal.subscribe(self, self.show_keys)
         self._shown = None
-        self.call_after_refresh(self._changed, self.screen)
+        self.call_after_refresh(self.show_keys, self.screen)
 
-    def _changed(self, screen) -> None:
+    def show_keys(self, screen) -> None:
         seen, keys = set(), []
         for _node, binding, enabled, _tip in screen.active_bindings.values():
             if binding.show and binding.description not in seen:
                 seen.add(binding.description)
                 keys.append((binding.key_display or self.app.get_key_display(binding), binding.description))
-        keys.sort(key=lambda k: k[1] not in ("Help", "Quit"))   # these two first: they must fit
+        keys.sort(key=lambda k: FIRST.get(k[1], len(FIRST)))   # these first: they must fit
         if keys != self._shown:
             self._shown = keys
             text = Text()

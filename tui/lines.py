@@ -2,7 +2,8 @@
 a view of a million events builds only the rows on screen. The rows come from a function `line(i) -> str`
 of the data model (tui/data.py), which caches them; this widget keeps a cursor and posts `LineHighlighted`
 when it moves and `LineSelected` on Enter (tui/messages.py). Rendered rows are kept in a small LRU cache of
-Strips, and moving the cursor without scrolling redraws two rows, not the widget.
+Strips (kept when only the focus moves), and moving the cursor without scrolling redraws two rows, not the
+widget.
 """
 from __future__ import annotations
 
@@ -44,12 +45,18 @@ class LineList(ScrollView, can_focus=True):
         self.count, self.line, self.styler, self.line_width = 0, (lambda i: ""), styler, width
         self._strips: LRUCache[tuple, Strip] = LRUCache(512)
         self._styles: dict[bool, tuple[Style, Style]] = {}   # has_focus -> (base, cursor) styles
+        self._sizes: tuple | None = None                      # what _size_updated last passed on
 
     def show(self, count: int, line: Callable[[int], str], cursor: int = 0) -> None:
         """Show `count` rows from `line`, the cursor on row `cursor` (without posting LineHighlighted)."""
         self.count, self.line = count, line
         self.redraw()
         self.virtual_size = Size(self.line_width, count)
+        if self._sizes is not None and self.virtual_size != self._sizes[1]:
+            # laid out already: set the scrollbars now, so that they are drawn in the frame of the new rows
+            # (left to the next layout, they would be marked during it and drawn a frame later)
+            self._scroll_update(self.virtual_size)
+            self._sizes = (self._sizes[0], self.virtual_size, self._sizes[2])
         self.set_cursor(cursor)
         self.refresh()
 
@@ -58,10 +65,25 @@ class LineList(ScrollView, can_focus=True):
         self._strips.clear()
         self.refresh()
 
+    def _size_updated(self, size: Size, virtual_size: Size, container_size: Size, layout: bool = True) -> bool:
+        """Textual's ScrollView compares the compositor's virtual size (none, for a Line API widget) with
+        its own on every layout and, finding them unequal, redraws its scrollbars each time: one frame more
+        after every view switch. Pass the update on only when a size really changed."""
+        sizes = (size, self.virtual_size, container_size)
+        if sizes == self._sizes:
+            return False
+        self._sizes = sizes
+        return super()._size_updated(size, virtual_size, container_size, layout)
+
     def notify_style_update(self) -> None:
+        """Forget the rendered rows when the styles change (a theme, the CSS), not when only the focus moves:
+        the base style does not depend on the focus, and the cursor's row is cached per focus state, so a
+        view switch or Tab redraws from the cache."""
         super().notify_style_update()
-        self._styles.clear()
-        self._strips.clear()
+        base = next(iter(self._styles.values()))[0] if self._styles else None
+        if base is None or base != self.rich_style:
+            self._styles.clear()
+            self._strips.clear()
 
     def set_cursor(self, index: int) -> None:
         """Move the cursor without posting LineHighlighted (the app moved the selection)."""

@@ -4,6 +4,7 @@ shared selected step moves (tui/app.py owns the selection in its reactive attrib
 """
 from __future__ import annotations
 
+from textual.binding import Binding
 from textual.containers import Vertical
 
 from tui.data import TraceModel
@@ -16,9 +17,12 @@ class View(Vertical):
     View { height: 1fr; }
     View .waiting { color: $text-muted; padding: 1 2; }
     """
+    BINDINGS = [Binding("tab", "cycle(1)", "Next list", show=False),
+                Binding("shift+tab", "cycle(-1)", "Previous list", show=False)]
     title = ""
     key = ""
-    generation = -1    # the app's model generation this view last loaded
+    generation: object = None   # the (model generation, rank) this view last loaded
+    shown_selection: tuple = (None, None, None)   # the (step row, seq_id, event) it last showed (tui/app.py)
 
     @property
     def model(self) -> TraceModel:
@@ -27,6 +31,14 @@ class View(Vertical):
     @property
     def ready(self) -> bool:
         return self.app.model.ready
+
+    def action_cycle(self, direction: int) -> None:
+        """Tab: the next widget of this view that takes the focus. The views not on show are laid out off
+        screen (tui/app.py), so the screen's own focus chain would wander into them."""
+        chain = [w for w in self.query("*") if w.can_focus and w.display]
+        if chain:
+            here = chain.index(self.screen.focused) if self.screen.focused in chain else -1
+            self.screen.set_focus(chain[(here + direction) % len(chain)])
 
     def loaded(self) -> None:
         """The model has (new) data: redraw everything."""

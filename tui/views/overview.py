@@ -1,6 +1,7 @@
 """The Overview view: the run's header (when, where, which model and engine settings), its counts,
 throughput and device time, and the warnings a user must see first: a log cut short, `mdi-trace verify`
-findings, the longest device idle gaps.
+findings, the longest device idle gaps. For a run of several ranks: a row naming the ranks, one row of
+counts per rank, then the rows of the rank on show.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class OverviewView(View):
         table = Table.grid(padding=(0, 2))
         table.add_column(style="bold", justify="right", no_wrap=True)
         table.add_column()
-        for label, value in self.model.overview():
+        for label, value in self.app.logs.overview(self.app.rank):
             table.add_row(label, value)
         self.query_one("#overview", Static).update(table)
         self.show_warnings()
