@@ -56,8 +56,9 @@ class BlockManager:
 
     def allocate(self, seq: "Sequence", num_positions: int) -> None:
         """Grow the block table to cover positions [0, num_positions)."""
-        new = self.pool.take(seq.seq_id, seq.blocks_needed(num_positions))
-        if new:
+        need = seq.blocks_needed(num_positions)
+        if need:  # a decode row needs a new block once every 128 steps
+            new = self.pool.take(seq.seq_id, need)
             seq.block_table += new
             self.tracer.block_alloc(seq.seq_id, new)
 

@@ -15,6 +15,7 @@ while any rank has work, and a rank with nothing scheduled runs the forward's co
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 
 import torch
@@ -27,6 +28,15 @@ from engine.tracer import NullTracer
 from kernels.sampling import mix_seed
 from model.parallel import any_rank, run_id
 from model.transformer import Transformer
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive (the model, torch's and the libraries' own) out of the cyclic
+    garbage collector's scans, as vLLM does after start-up. A step allocates thousands of small objects, and
+    every full collection scanned the whole heap: at batch 256 those pauses were a third of the host's mean
+    step (benchmarks/bench_host_step.py). Objects made later, requests and steps, are collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 class LLMEngine:
@@ -46,6 +56,7 @@ class LLMEngine:
         self.pending_aborts: list[int] = []
         self.next_id = self.shard.rank  # request ids rank, rank + world_size, ...: unique across ranks
         self.tracer.start({**self._header(weights, checkpoint_digest), "model_source": model_source})
+        freeze_heap()
 
     def _header(self, weights: Transformer, checkpoint_digest: str) -> dict:
         """What a trace needs to rebuild this engine: configs, weights digest, device and versions."""

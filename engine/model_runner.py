@@ -181,16 +181,17 @@ class ModelRunner:
             size, context = shape
             nb = context // BLOCK_SIZE
         trash = [self.trash_block] * nb
-        table = []
-        for r in rows:  # one Python list per row, one numpy conversion: ~1 µs a row
+        table = []  # the rows one after the other in one flat Python list, one numpy conversion: ~0.5 µs a row
+        for r in rows:
             tokens = r.token_ids
             ids = [tokens[0] or 0] if S == 1 else [t or 0 for t in tokens] + [0] * (S - len(tokens))
-            table.append([tokens[0] is None, r.start, len(tokens), r.state_slot, r.sample, r.seed,
-                          r.output_position, *ids, *(r.block_table + trash)[:nb]])
+            table += (tokens[0] is None, r.start, len(tokens), r.state_slot, r.sample, r.seed, r.output_position,
+                      *ids, *(r.block_table + trash)[:nb])
         padding = [0, 1, 1, self.trash_slot, 0, 0, 0] + [0] * S + trash
-        table += [padding] * (size - len(rows))
-        ints = torch.from_numpy(np.array(table, dtype=np.int64))
-        temperatures = torch.tensor([r.temperature for r in rows] + [0.0] * (size - len(rows)), dtype=torch.float32)
+        table += padding * (size - len(rows))
+        ints = torch.from_numpy(np.array(table, dtype=np.int64).reshape(size, _NCOL + S + nb))
+        temperatures = torch.from_numpy(np.array([r.temperature for r in rows] + [0.0] * (size - len(rows)),
+                                                 dtype=np.float32))
         if self.device.type == "cuda":
             ints, temperatures = ints.pin_memory(), temperatures.pin_memory()
         decode = all(r.num_tokens == 1 and r.start > 0 for r in rows)

@@ -34,7 +34,11 @@ def tables_digest(rows) -> str:
     """The per-step digest of the resource tables: rows of (seq_id, epoch, state_slot, block_table), one per
     unfinished sequence. Written by the engine, recomputed by verify and by scheduler replay."""
     rows = sorted((s, e, slot, tuple(blocks)) for s, e, slot, blocks in rows)
-    return hashlib.blake2b(repr(rows).encode(), digest_size=8).hexdigest()
+    return _digest_text(repr(rows))
+
+
+def _digest_text(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 @dataclass(slots=True)
@@ -88,6 +92,7 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self.step = 0
         self._preempted: list[int] = []  # every sequence preempted while scheduling the current step
+        self._digest_rows: dict[int, tuple[tuple, str]] = {}  # seq_id -> (epoch, slot, block count), repr of its row
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -97,8 +102,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def digest(self) -> str:
-        """`tables_digest` of every unfinished sequence's epoch, state slot and block table."""
-        return tables_digest((s.seq_id, s.epoch, s.state_slot, s.block_table) for s in self.seqs.values())
+        """`tables_digest` of every unfinished sequence's epoch, state slot and block table, the same text
+        hashed, with each row's repr kept from the last digest while its (epoch, slot, block count) holds: within
+        an epoch a block table only grows (blocks are freed only by preemption, which bumps the epoch, and by
+        finishing), so its length names its contents. The reprs were most of the cost of a step's digest."""
+        rows = {}
+        for seq in self.seqs.values():
+            key = (seq.epoch, seq.state_slot, len(seq.block_table))
+            kept = self._digest_rows.get(seq.seq_id)
+            if not kept or kept[0] != key:
+                kept = key, repr((seq.seq_id, seq.epoch, seq.state_slot, tuple(seq.block_table)))
+            rows[seq.seq_id] = kept
+        self._digest_rows = rows
+        return _digest_text("[" + ", ".join(text for _, (_, text) in sorted(rows.items())) + "]")  # repr of the list
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -138,8 +154,9 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or not self._wants_token(seq):
                 continue
-            assert seq.num_cached_tokens == seq.get_len() - 1, "decode needs every earlier token cached"
-            while not self.blocks.can_allocate(seq, seq.get_len()):
+            length = seq.get_len()  # preempting another sequence below leaves this one's length as it is
+            assert seq.num_cached_tokens == length - 1, "decode needs every earlier token cached"
+            while not self.blocks.can_allocate(seq, length):
                 if self._reclaim_partial():
                     continue
                 victim = max(self.running, key=lambda s: (s.get_len() - s.num_prompt_tokens, s.seq_id))
@@ -149,7 +166,8 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING:
                 last = seq.token_ids[-1] if seq.num_inflight == 0 else None  # None: in flight, remap
                 rows.append(self._reserve(seq, [last]))
-        rows = [r for r in rows if r.seq_id not in self._preempted]  # a later preemption may hit an earlier row
+        if self._preempted:  # a later preemption may hit an earlier row
+            rows = [r for r in rows if r.seq_id not in self._preempted]
         return ScheduledBatch(self.step, "decode", rows) if rows else None
 
     def _wants_token(self, seq: Sequence) -> bool:
@@ -162,8 +180,9 @@ class Scheduler:
         self.states.allocate(seq)
         self.blocks.allocate(seq, end)
         seq.num_cached_tokens = end
-        sample = end == seq.get_len()
-        output_position = seq.get_len() - seq.num_prompt_tokens  # the output token this row draws
+        length = seq.get_len()
+        sample = end == length
+        output_position = length - seq.num_prompt_tokens  # the output token this row draws
         if sample:
             seq.num_inflight += 1  # reservation: the token is appended when this step is processed
             self.tracer.reservation(self.step, seq.seq_id, seq.epoch, output_position)
@@ -231,7 +250,7 @@ class Scheduler:
             if not row.sample:
                 continue
             seq = self.seqs.get(row.seq_id)
-            position = row.start + row.num_tokens
+            position = row.start + len(row.token_ids)
             if seq is None or seq.epoch != row.epoch:
                 self.tracer.token(batch.step, row.seq_id, row.epoch, position, token, False)
                 continue

@@ -66,4 +66,5 @@ class Sequence:
 
     def blocks_needed(self, num_positions: int) -> int:
         """KV blocks to cover positions [0, num_positions): block j holds positions [128j, 128j+128)."""
-        return max(0, -(-num_positions // BLOCK_SIZE) - len(self.block_table))
+        need = -(-num_positions // BLOCK_SIZE) - len(self.block_table)
+        return need if need > 0 else 0  # not max(): this runs twice per row and step

@@ -96,9 +96,9 @@ class Recorder:
 
     def schedule(self, batch):
         self.pending_schedules.append((len(self.pending), batch.step))
-        # the lists are copied now: a block table can change before the step's events are packed
-        rows = [[seq_id, epoch, start, list(token_ids), list(block_table), *rest]
-                for seq_id, epoch, start, token_ids, block_table, *rest in map(_row_fields, batch.rows)]
+        # a row as a tuple of its fields (msgpack writes it as an array, like a list), read in C; no copies: a
+        # ScheduledRow is a value, its token_ids and block_table lists are the scheduler's copies, never changed
+        rows = list(map(_row_fields, batch.rows))
         self._emit("schedule", self._now(), batch.step, BATCH_KINDS.index(batch.kind), rows, list(batch.preempted))
 
     def reservation(self, step, seq_id, epoch, output_position):  # once per row: no _emit/_now calls
