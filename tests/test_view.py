@@ -6,6 +6,7 @@ ranks (traces/examples/micro-2rank.rank{0,1}.mdt, recorded with `record --nproc 
 per rank on one time axis, per-rank counts, and R switching the other views (and their step numbers) to the
 next rank. Tab stays within the view on show."""
 import asyncio
+import gc
 import io
 import shutil
 from pathlib import Path
@@ -606,3 +607,22 @@ async def test_tab_cycles_the_lists_of_the_view_on_show_only():
         assert seen == ["lifeline", "request-list", "lifeline", "request-list"]   # never a view off screen
         await pilot.press("3", "tab", "tab")
         assert app.focused.id == "step-list"
+
+
+@pytest.mark.asyncio
+async def test_the_views_off_screen_are_drawn_ahead_and_the_loaded_log_is_frozen_out_of_the_collector():
+    app = TraceApp(str(EXAMPLE))
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            requests = app.query_one("#request-list", LineList)
+            for _ in range(20):   # drawn while idle, a refresh or two after the index is in
+                if requests._strips and gc.get_freeze_count():
+                    break
+                await pilot.pause()
+            assert requests._strips and requests._styles_cache._cache   # its lines, while still off screen
+            assert gc.get_freeze_count() > 0
+            await pilot.press("4")
+            assert app.focused is requests and requests.line(0) == app.model.request_line(0)
+    finally:
+        gc.unfreeze()   # the rest of the test session collects as usual
