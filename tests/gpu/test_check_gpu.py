@@ -10,7 +10,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_planted_faults import FAULTS, record  # noqa: E402
 
-from model.checkpoint import init_checkpoint  # noqa: E402
 from tracing.divergence import check_against_reference  # noqa: E402
 from tracing.execute import check_tokens  # noqa: E402
 from tracing.verify import verify  # noqa: E402
@@ -18,15 +17,8 @@ from tracing.verify import verify  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro")
-    init_checkpoint("micro", 0, path)
-    return path
-
-
-def test_a_cuda_run_checks_clean_against_itself_and_the_reference(ckpt, tmp_path):
-    trace = record(ckpt, tmp_path / "run.mdt", device="cuda")
+def test_a_cuda_run_checks_clean_against_itself_and_the_reference(checkpoint, tmp_path):  # conftest's micro
+    trace = record(checkpoint, tmp_path / "run.mdt", device="cuda")
     assert verify(trace) == []
     r = check_tokens(trace, device="cuda")
     assert r.mismatch is None and r.same_platform and r.tokens > 20
@@ -35,11 +27,11 @@ def test_a_cuda_run_checks_clean_against_itself_and_the_reference(ckpt, tmp_path
 
 
 @pytest.mark.parametrize("fault", ["window ring one position off after a wrap", "Engram history not reset for a new owner"])
-def test_a_planted_fault_is_found_on_cuda(ckpt, tmp_path, monkeypatch, fault):
+def test_a_planted_fault_is_found_on_cuda(checkpoint, tmp_path, monkeypatch, fault):
     plant, first_step, modules = FAULTS[fault]
     with monkeypatch.context() as m:
         plant(m)
-        trace = record(ckpt, tmp_path / "broken.mdt", device="cuda")
+        trace = record(checkpoint, tmp_path / "broken.mdt", device="cuda")
         d = check_against_reference(trace, device="cuda").divergence
     assert d is not None and d.step == first_step(trace), d
     assert d.module is not None and d.module.module in modules, d.module
