@@ -57,3 +57,16 @@ def test_unreadable_input_is_one_sentence(tmp_path):
     bad.write_bytes(b"not a trace")
     run = cli(bad, bad)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+
+
+def test_a_log_cut_short_is_compared_on_what_both_hold(checkpoint, tmp_path):
+    src = record_preemption(checkpoint, tmp_path / "run.mdt")
+    header, events = read_log(src)
+    cut = write_log(tmp_path / "cut.mdt", header, events[:len(events) // 2], footer=False)
+    r = diff_traces(open_trace(src), open_trace(cut))
+    assert r.findings == [] and any("compared up to step" in n for n in r.header_notes)
+    i = find(events, "token", 0, appended=True)  # an early token changed in the cut log: still found
+    set_field(events[i], "token_id", field(events[i], "token_id") + 1)
+    edited = write_log(tmp_path / "cut2.mdt", header, events[:len(events) // 2], footer=False)
+    (f,) = diff_traces(open_trace(src), open_trace(edited)).findings
+    assert f.what.startswith("tokens differ")

@@ -7,6 +7,8 @@ Three comparisons, each reporting its first difference with both sides:
 - tokens: request by request, the tokens the engine appended, in position order; the first difference
   is the one sampled earliest in A.
 Runs that should decide differently (ZOS on vs off) but sample the same tokens compare with `tokens_only`.
+A log cut short (a crash, a run still going) is compared on what both logs hold: the steps up to its last,
+the requests both saw, the tokens both recorded.
 Header differences that explain a diff (device, torch, engine configuration, weights) are listed first.
 """
 from __future__ import annotations
@@ -53,6 +55,12 @@ class _Run:
             elif e.kind == "token" and e.appended:
                 run.tokens.setdefault(e.seq_id, {})[e.position] = (e.token_id, e.step)
         return run
+
+    def clip(self, last_step: int, requests: set[int]) -> None:
+        """Keep what a log cut short can be compared on: the steps up to `last_step` and the `requests`."""
+        self.steps = [s for s in self.steps if s[0] <= last_step]
+        self.requests = {q: r for q, r in self.requests.items() if q in requests}
+        self.tokens = {q: t for q, t in self.tokens.items() if q in requests}
 
 
 def _rows(rows, mark: int | None = None) -> str:
@@ -112,9 +120,17 @@ def diff_traces(ta: TraceFile, tb: TraceFile, tokens_only: bool = False) -> Diff
         va, vb = ta.header.get(key), tb.header.get(key)
         if va != vb:
             result.header_notes.append(f"the headers differ in {key}: {va} vs {vb}")
-    for cut, side in ((ta.cut, "A"), (tb.cut, "B")):
-        if cut:
-            result.header_notes.append(f"{side}: {cut}; compared what it holds")
+    if ta.cut or tb.cut:  # compare what both hold: the cut log's steps, the requests both saw, shared tokens
+        last = min(r.steps[-1][0] if r.steps else -1 for r, t in ((a, ta), (b, tb)) if t.cut)
+        both = set(a.requests) & set(b.requests)
+        for run in (a, b):
+            run.clip(last, both)
+        for run, other in ((a, b), (b, a)):  # a token the cut log never recorded is not a difference
+            for q, tokens in run.tokens.items():
+                run.tokens[q] = {p: t for p, t in tokens.items() if p in other.tokens.get(q, {})}
+        for cut, side in ((ta.cut, "A"), (tb.cut, "B")):
+            if cut:
+                result.header_notes.append(f"{side}: {cut}; compared up to step {last}, on what both logs hold")
     if a.requests != b.requests:
         seq = next(s for s in sorted(set(a.requests) | set(b.requests)) if a.requests.get(s) != b.requests.get(s))
         show = lambda r: f"prompt of {len(r[0])} tokens, temperature {r[1]}, seed {r[2]}" if r else "absent"  # noqa: E731
