@@ -142,7 +142,12 @@ class TraceIndex:
 
     @staticmethod
     def _group(order: np.ndarray, ordered: np.ndarray, value: int) -> np.ndarray:
-        """The positions (sorted) whose value is `value`, given `order` that sorts the column into `ordered`."""
+        """The positions (sorted) whose value is `value`, given `order` that sorts the column into `ordered`.
+        `value` is cast to the column's dtype: a Python int would make numpy convert the whole column first."""
+        info = np.iinfo(ordered.dtype)
+        if not info.min <= value <= info.max:  # e.g. a request id typed by hand: nothing has it
+            return order[:0]
+        value = ordered.dtype.type(value)
         lo, hi = np.searchsorted(ordered, value, "left"), np.searchsorted(ordered, value, "right")
         return order[lo:hi]   # ascending: `order` is a stable argsort
 
