@@ -201,15 +201,22 @@ class ModelRunner:
                     decode: bool) -> torch.Tensor:
         """Device work of one step from the packed inputs on the device: remap, forward, sample, write
         back. Returns the sampled tokens [B]. Fixed shapes for fixed (B, S, nb, context_len): capturable."""
-        remap, start, num_tokens, slots, sampled, seeds, positions = ints[:, :_NCOL].t().contiguous()  # [B] each
-        ids = ints[:, _NCOL:_NCOL + S].contiguous()  # [B, S]
-        tables = ints[:, _NCOL + S:].contiguous()  # [B, nb]
-        ids[:, 0] = torch.where(remap.bool(), self.next_tokens[slots], ids[:, 0])  # in-flight inputs
-        logits = self.model.forward(ForwardBatch(ids, start, num_tokens, tables, slots, context_len, decode))
+        batch, sampled, seeds, positions = self.unpack(ints, S, context_len, decode)
+        slots = batch.state_slots
+        logits = self.model.forward(batch)
         self.last_logits = logits  # [B, vocab]: the step's logits, for a checker's margin (a graph's static output)
         tokens = sample(logits, temperatures, seeds, positions)
         self.next_tokens[torch.where(sampled.bool(), slots, self.trash_slot)] = tokens
         return tokens
+
+    def unpack(self, ints: torch.Tensor, S: int, context_len: int, decode: bool):
+        """Packed inputs on the device -> (ForwardBatch with the in-flight input tokens remapped by state slot,
+        sampled, seeds, output positions) [B] each."""
+        remap, start, num_tokens, slots, sampled, seeds, positions = ints[:, :_NCOL].t().contiguous()  # [B] each
+        ids = ints[:, _NCOL:_NCOL + S].contiguous()  # [B, S]
+        tables = ints[:, _NCOL + S:].contiguous()  # [B, nb]
+        ids[:, 0] = torch.where(remap.bool(), self.next_tokens[slots], ids[:, 0])  # in-flight inputs
+        return ForwardBatch(ids, start, num_tokens, tables, slots, context_len, decode), sampled, seeds, positions
 
     def forward(self, inputs: _HostInputs) -> torch.Tensor:
         """One eager step: copy the inputs to the device, run it. Returns the sampled tokens [num_rows]."""

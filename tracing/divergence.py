@@ -29,7 +29,7 @@ choice differs, is named and is the divergence; a position where none is counts 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -175,35 +175,30 @@ class _Force:
 
 
 class _Replay:
-    """The paged model re-executing recorded batches, every input token from the request's token list."""
+    """The paged model re-executing recorded batches, every input token from the request's token list. The
+    inputs are built as the engine builds them (ModelRunner.prepare and unpack), always eagerly."""
 
     def __init__(self, weights, engine: dict, seqs: dict[int, list[int]]):
-        from model.paged import PagedModel
+        from engine.model_runner import ModelRunner
 
-        self.model, self.seqs = PagedModel(weights, engine["num_kv_blocks"], engine["num_state_slots"],
-                                           engine.get("batch_invariant", False)), seqs
-        self.trash, self.device = engine["num_kv_blocks"], weights.head.weight.device
+        self.runner = ModelRunner(weights, engine["num_kv_blocks"], engine["num_state_slots"],
+                                  batch_invariant=engine.get("batch_invariant", False))
+        self.runner.use_cuda_graphs = False  # the forward runs here, with capture hooks
+        self.model, self.seqs = self.runner.model, seqs
 
     def run(self, batch, capture=None) -> torch.Tensor:
         """Logits [B, S, vocab] of every token of the batch, on the host."""
-        from model.paged import ForwardBatch
+        from engine.scheduler import ScheduledBatch
 
-        rows, B = batch.rows, len(batch.rows)
-        S, nb = max(r.num_tokens for r in rows), max(len(r.block_table) for r in rows)
-        ids = torch.zeros(B, S, dtype=torch.long)
-        tables = torch.full((B, nb), self.trash, dtype=torch.long)
-        for i, r in enumerate(rows):
+        rows = []
+        for r in batch.rows:
             tokens = self.seqs[r.seq_id][r.start:r.start + r.num_tokens]
             if len(tokens) < r.num_tokens:
                 raise TraceError(f"step {batch.step}: request {r.seq_id}'s row reaches position "
                                  f"{r.start + r.num_tokens - 1}, past the tokens the trace holds for it.")
-            ids[i, :r.num_tokens] = torch.tensor(tokens)
-            tables[i, :len(r.block_table)] = torch.tensor(r.block_table)
-        col = lambda f: torch.tensor([f(r) for r in rows], device=self.device)  # noqa: E731
-        fb = ForwardBatch(ids.to(self.device), col(lambda r: r.start), col(lambda r: r.num_tokens),
-                          tables.to(self.device), col(lambda r: r.state_slot),
-                          max(r.start + r.num_tokens for r in rows),
-                          all(r.num_tokens == 1 and r.start > 0 for r in rows))
+            rows.append(replace(r, token_ids=tokens))
+        inputs = self.runner.prepare(ScheduledBatch(batch.step, batch.kind, rows))
+        fb = self.runner.unpack(inputs.ints.to(self.runner.device), inputs.S, inputs.context_len, inputs.decode)[0]
         return self.model.forward(fb, all_logits=True, capture=capture).float().cpu()
 
 
