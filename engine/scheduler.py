@@ -130,9 +130,9 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
-        rows, budget = [], self.config.max_num_batched_tokens
-        for seq in list(self.waiting):
-            if budget == 0 or len(self.running) + len(rows) >= self.config.max_num_seqs:
+        rows, budget, partial = [], self.config.max_num_batched_tokens, 0  # partial: rows whose prompt goes on
+        for seq in list(self.waiting):  # a finished prompt moves to running below: count each seq once
+            if budget == 0 or len(self.running) + partial >= self.config.max_num_seqs:
                 break
             chunk = min(len(seq) - seq.num_cached_tokens, budget)
             end = seq.num_cached_tokens + chunk
@@ -147,6 +147,8 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+            else:
+                partial += 1
         return ScheduledBatch(self.step, "prefill", rows) if rows else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:

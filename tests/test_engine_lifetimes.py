@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from engine.block_manager import BLOCK_SIZE
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepHandle
-from engine.scheduler import ScheduledRow, SchedulerConfig
+from engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 from engine.tracer import MemoryTracer
 from model.checkpoint import init_weights
@@ -485,3 +485,34 @@ def test_partly_prefilled_request_does_not_starve_a_running_one(enable_zos):
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=2, num_state_slots=2)
     _, _, _, seqs = run_workload(cfg, reqs, enable_zos)
     assert [seqs[i].finish_reason for i in (0, 1)] == ["length", "length"]
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 4, 5])
+def test_a_prefill_step_admits_max_num_seqs_prompts(max_num_seqs):
+    """Six 20-token prompts, a budget for all of them: the first step prefills exactly max_num_seqs of them,
+    each counted once against max_num_seqs (a prompt whose last chunk ran is in `running` and among the
+    step's rows: counting it in both admitted only about half). The next step decodes those and admits none."""
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, num_kv_blocks=16, num_state_slots=8)
+    sched = Scheduler(cfg)
+    for i in range(6):
+        sched.add(Sequence(i, list(range(3, 23)), SamplingParams(max_tokens=4), seed=i))
+    first = sched.schedule()
+    assert first.kind == "prefill" and [r.seq_id for r in first.rows] == list(range(max_num_seqs))
+    assert all(r.sample for r in first.rows)
+    second = sched.schedule()  # ZOS: scheduled before the first step's tokens are processed
+    assert second.kind == "decode" and [r.seq_id for r in second.rows] == list(range(max_num_seqs))
+
+
+def test_a_partly_prefilled_prompt_counts_against_max_num_seqs():
+    """max_num_seqs 2, a budget of 100 tokens: a 20-token prompt, then a 300-token prompt whose first chunk
+    takes the rest of the budget. Both are rows (the partly prefilled one stays waiting and counts once). The
+    next step gives it its next 100-token chunk and admits nobody else: two sequences in all."""
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, num_kv_blocks=16, num_state_slots=4)
+    sched = Scheduler(cfg)
+    for i, n in enumerate([20, 300, 20]):
+        sched.add(Sequence(i, list(range(3, 3 + n)), SamplingParams(max_tokens=4), seed=i))
+    first = sched.schedule()
+    assert [(r.seq_id, r.num_tokens, r.sample) for r in first.rows] == [(0, 20, True), (1, 80, False)]
+    assert [q.seq_id for q in sched.running] == [0] and [q.seq_id for q in sched.waiting] == [1, 2]
+    second = sched.schedule()
+    assert second.kind == "prefill" and [(r.seq_id, r.num_tokens) for r in second.rows] == [(1, 100)]
