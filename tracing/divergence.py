@@ -18,8 +18,11 @@ tie (the tokens are teacher-forced, so comparison goes on).
 
 Pass 2 localises. A second replay, `lag`, runs every step after the first with every compared row
 teacher-forced: each layer's inputs (the stream entering the Engram block and the block, and the
-pre-mix) are replaced by the reference's through forward pre-hooks, so its state (rings, tails, KV
-blocks, Engram history) is what the engine writes from the reference's inputs. At a step with a position
+pre-mix) are replaced by those of the whole request through the reference (one reference per request,
+for every step: a prefix's bits at a shared position can differ from the whole's by shape noise, most on
+CUDA, where the GEMMs' kernels depend on the row count) through forward pre-hooks, so its state (rings,
+tails, KV blocks, Engram history) is what the engine writes from that reference's inputs, and the modules
+are compared with that same reference. At a step with a position
 over the tolerance (or a divergence), that row's modules are compared in order within each layer
 (Engram, attention input, window, compressor, index keys, indexer top-k and candidates, sparse attention,
 attention output, MoE input, MoE routing, MoE experts, layer output); the window and the compressed
@@ -248,12 +251,18 @@ class _Check:
         self.last_step: dict[int, int] = {}
 
     def reference(self, row) -> _Reference:
+        """The reference pass 1 compares a row's logits with: its prefix, or the whole request once saturated."""
         end = row.start + row.num_tokens
-        if end < self.saturated:
-            return _Reference(self.weights, self.seqs[row.seq_id][:end])
-        if row.seq_id not in self.refs:  # the whole request, computed once
-            self.refs[row.seq_id] = _Reference(self.weights, self.seqs[row.seq_id])
-        return self.refs[row.seq_id]
+        return _Reference(self.weights, self.seqs[row.seq_id][:end]) if end < self.saturated else self.whole(row.seq_id)
+
+    def whole(self, seq_id: int) -> _Reference:
+        """The whole request through the reference, computed once. It also forces every step of the request on
+        `lag`, and localising compares with it: a prefix reference's bits at a shared position may differ
+        from a longer one's by shape noise (on CUDA the GEMMs' kernels depend on the row count), and state
+        written from one reference's inputs compares with that reference alone."""
+        if seq_id not in self.refs:
+            self.refs[seq_id] = _Reference(self.weights, self.seqs[seq_id])
+        return self.refs[seq_id]
 
     def step(self, batch) -> bool:
         """Compare one step's rows, then run it teacher-forced on `lag`, localising the first position over
@@ -273,14 +282,14 @@ class _Check:
             track = self.tracks.setdefault((row.seq_id, row.epoch), _Track())
             if track.stopped is not None:
                 continue
-            ref = self.reference(row)
-            forced.append((b, row.start, row.num_tokens, ref))
-            verdict = self.compare_row(batch, b, row, ref, track, logits, choices)
+            whole = self.whole(row.seq_id)
+            forced.append((b, row.start, row.num_tokens, whole))
+            verdict = self.compare_row(batch, b, row, self.reference(row), track, logits, choices)
             if verdict is not None and focus is None:
-                focus = (b, ref, verdict)
+                focus = (b, whole, verdict)
             if verdict is not None and not verdict.detail.startswith("logits differ"):
                 divergence = verdict  # a clear-gap choice or a token: nothing after it is compared
-                focus = (b, ref, verdict)
+                focus = (b, whole, verdict)
                 break
         force = _Force(self.weights, forced)
         if focus is not None and self.localise:
