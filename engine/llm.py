@@ -38,8 +38,9 @@ class LLM:
                  shard: Shard | None = None, batch_invariant: bool = False):
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' needs a CUDA GPU and none is visible; use device='cpu'.")
-        if batch_invariant and (device != "cpu" or cpu_threads != 1):  # model/invariant.py: CPU, 1 thread so far
-            raise ValueError("batch_invariant=True runs on device='cpu' with cpu_threads=1 for now (issue #11).")
+        if batch_invariant and device == "cpu" and cpu_threads != 1:  # model/invariant.py: one intra-op thread
+            raise ValueError("batch_invariant=True on device='cpu' needs cpu_threads=1: the mode's CPU bits "
+                             "are proven with one intra-op thread (model/invariant.py).")
         self.shard = shard or setup(device)  # from a torchrun-style environment; one process without one
         weights, self.digest = load_model(model, device, self.shard)
         blocks_per_seq = -(-weights.args.max_seq_len // 128)

@@ -101,7 +101,7 @@ class Compressor(nn.Module):
         Each channel takes a softmax over the r members (spec §2.4); returns bf16 [..., D]."""
         if g is None:
             return self.norm(a)
-        pooled = (a * g.softmax(dim=-2)).sum(dim=-2)
+        pooled = invariant.reduce_sum(a * invariant.softmax(g, -2), -2)  # (a * g.softmax(-2)).sum(-2) outside the mode
         return self.norm(pooled.to(self.norm.weight.dtype))  # bf16, or fp32 in the fp32 debugging mode
 
 
@@ -141,7 +141,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
     q [B,S,Hi,Di], w [B,S,Hi], keys [B,E,Di] -> [B,S,E] bf16; visible: [B,S] entry counts V(p).
     """
     d = invariant.index_scores_dot(q, keys)  # einsum bshd,btd->bsht
-    score = (d.relu_() * w.unsqueeze(-1)).sum(dim=2)
+    score = invariant.reduce_sum(d.relu_() * w.unsqueeze(-1), 2)  # .sum(dim=2) outside the mode
     entries = torch.arange(keys.size(1), device=keys.device)
     return score.masked_fill(entries >= visible.unsqueeze(-1), -torch.inf)
 

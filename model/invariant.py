@@ -39,10 +39,20 @@ mode is off (so the default bits do not move):
   the batch's context length makes the list's width (W + min(index_topk, entries)).
 - `window_decode_order(decode)`: decode rows use the prefill window order. This gives up bit parity with
   the official code's decode steps (its decode order) for parity between prefill and decode.
+- `bmm_nt`: the grouped MoE's per-expert w2 product (CUDA only), through kernels/gemm.py in the mode.
+- `reduce_sum`, `softmax`: a sum or softmax over a dim that is not the innermost (the index scores'
+  head sum §2.7, the compressor's pooling §2.4) in a fixed order: torch's CUDA reductions split such a dim
+  across threads by the number of outputs.
+- `full_window`: every row's index list gives the window all W places, so a chunk that ends before W
+  lists the compressed entries where a longer chunk does (found on tiny-68m, W = 128, chunks of 20 and 37).
 
-On CPU the mode assumes one intra-op thread (the engine's default). On CUDA it is not implemented yet:
-the Triton norm/hc/attention kernels, the grouped MoE GEMMs and torch's CUDA reductions (whose split
-depends on the number of outputs) would each need an invariant path; `LLM` refuses the combination.
+On CPU the mode assumes one intra-op thread (the engine's default). On CUDA (measured on an H200,
+tests/gpu/test_batch_invariant_gpu.py) every GEMM of the mode, the grouped MoE's included, goes through
+kernels/gemm.py: one Triton configuration for every shape, so a row's bits never depend on the row count
+(cuBLAS changes kernels with it: an fp32 row alone and among 3,000 rows differ). The Triton RMSNorm, hc,
+RoPE, quantisation and sparse-attention kernels already give each row a reduction order fixed by its own
+sizes. Decode graphs need nothing more: a padded graph batch is just more rows. `USE_KERNEL = False`
+keeps torch's ops in the fixed tiles on CUDA too (the grouped MoE then in passes of MOE_ROW_TILE rows).
 
 The switch is per thread and scoped: `PagedModel.forward` runs under `mode(model.batch_invariant)` (the
 decorator `scoped`), so a model built without the mode is never affected, even beside one built with it.
@@ -61,8 +71,12 @@ SMALL_ROW_TILE = 8    # rows per GEMM call for a weight of more than BIG_WEIGHT 
 BIG_WEIGHT = 1 << 20
 BATCH_TILE = 16       # matrices per batched GEMM call
 COL_TILE = 128        # entries per index-score GEMM call (N grows with the context)
+MOE_ROW_TILE = 64     # rows per grouped MoE pass on CUDA (model/moe.py grouped_forward)
 POINTWISE_ALIGN = 64  # elements: a multiple of two AVX-512 fp32 vectors
 ATTN_BLOCK = 64       # the sparse attention's block (model/attention.py SPARSE_ATTN_BLOCK, spec §2.8)
+
+USE_KERNEL = True     # CUDA: every GEMM of the mode through kernels/gemm.py (one launch, any row count);
+                      # False (and CPU): the torch ops in the fixed tiles above
 
 _state = threading.local()  # per thread: the CPU device's worker and the main thread never share the switch
 
@@ -96,6 +110,11 @@ def _padded(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return F.pad(t, pad).contiguous()  # F.pad allocates a fresh tensor, even with zero padding
 
 
+def padded_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """t [N, ...] zero-padded along its rows to a multiple of `multiple` (a fresh contiguous copy)."""
+    return _padded(t, 0, multiple)
+
+
 def row_tile(w: torch.Tensor) -> int:
     """Rows per GEMM call for the weight w [N, K]: a function of w's shape alone, never of the batch.
     A weight of more than BIG_WEIGHT elements (the head: vocab x dim) costs enough per row that the
@@ -103,10 +122,22 @@ def row_tile(w: torch.Tensor) -> int:
     return SMALL_ROW_TILE if w.numel() > BIG_WEIGHT else ROW_TILE
 
 
+def kernel_gemm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the mode's GEMMs of a and b go through kernels/gemm.py (CUDA) rather than torch tiles."""
+    from kernels import gemm
+
+    return USE_KERNEL and gemm.applies(a, b)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) [..., K] x [N, K] -> [..., N]; in the mode in row tiles of exactly ROW_TILE."""
+    """F.linear(x, w) [..., K] x [N, K] -> [..., N]; in the mode kernels/gemm.py on CUDA, else row tiles of
+    exactly row_tile(w) rows."""
     if not enabled():
         return F.linear(x, w)
+    if kernel_gemm(x, w):
+        from kernels import gemm
+
+        return gemm.linear(x, w)
     rows = x.reshape(-1, x.size(-1))
     if rows.size(0) == 0:
         return F.linear(x, w)
@@ -154,8 +185,22 @@ def index_scores_dot(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     B, S, H, D = q.shape
     if keys.size(1) == 0 or B * S == 0:
         return torch.einsum("bshd,btd->bsht", q, keys)
+    if kernel_gemm(q, keys):
+        from kernels import gemm
+
+        return gemm.gemm_nt(q.reshape(B, S * H, D), keys).view(B, S, H, keys.size(1))
     d = bmm(q.reshape(B, S * H, D), keys, ROW_TILE, COL_TILE, b_rows=True)  # [B, S·H, E]
     return d.view(B, S, H, keys.size(1))
+
+
+def bmm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [n, M, K] @ b [n, N, K]ᵀ -> [n, M, N] (the grouped MoE's w2, model/moe.py): torch.bmm outside the
+    mode and in its torch path (whose callers pass a fixed M), kernels/gemm.py on CUDA in the mode."""
+    if enabled() and kernel_gemm(a, b):
+        from kernels import gemm
+
+        return gemm.gemm_nt(a, b)
+    return torch.bmm(a, b.transpose(1, 2))
 
 
 def grouped_linear(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
@@ -196,6 +241,35 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
         return fn(x)
     flat = _padded(x.reshape(-1), 0, POINTWISE_ALIGN)
     return fn(flat)[:x.numel()].view(x.shape)
+
+
+def reduce_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x.sum(dim); in the mode one fp32 add per member, in order, rounded once to x's dtype. torch's CUDA
+    reduction over a dim that is not the innermost splits it across threads by the number of outputs, so
+    a row's sum would depend on the batch (the index scores' head sum, the compressor's pooling)."""
+    if not enabled():
+        return x.sum(dim)
+    acc = x.select(dim, 0).float()
+    for i in range(1, x.size(dim)):
+        acc = acc + x.select(dim, i)
+    return acc.to(x.dtype)
+
+
+def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x.softmax(dim); in the mode over a contiguous copy with dim innermost (torch's row softmax gives each
+    row one warp or block whatever the number of rows; over an outer dim it splits by the shape)."""
+    if not enabled() or dim in (-1, x.dim() - 1):
+        return x.softmax(dim)
+    return x.movedim(dim, -1).contiguous().softmax(-1).movedim(-1, dim)
+
+
+def full_window(decode_order: bool) -> bool:
+    """Whether a row's index list gives the window all W places (its -1 padding among them) before the
+    compressed entries: decode rows in the official order, and every row in the mode. Otherwise a prefill
+    row gives it min(end, W) places, so a chunk ending before W (37 of tiny-68m's 128) would start the
+    compressed entries at another place in the list, and the online softmax (§2.8) would block them
+    otherwise than the same position computed in a longer chunk."""
+    return decode_order or enabled()
 
 
 def window_decode_order(decode: bool) -> bool:

@@ -125,13 +125,25 @@ class MoE(nn.Module):
 
     def grouped_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Routed + shared output, fp32 [N, d], for x bf16 [N, d], weights fp32 [N, k], ids [N, k];
-        rows in passes of GROUPED_ROWS (a split that depends on shapes only)."""
+        rows in passes of GROUPED_ROWS (a split that depends on shapes only). In the batch-invariant mode
+        both GEMMs are kernels/gemm.py's, whose rows never see each other; in the mode's torch path every
+        pass has exactly invariant.MOE_ROW_TILE rows instead (the last zero-padded, its padding routed to
+        expert 0 with weight 0 and cut off), so both GEMMs have one shape whatever the batch."""
+        if invariant.enabled() and x.size(0) and not invariant.kernel_gemm(x, self.stacked_weights()[0]):
+            N, tile = x.size(0), invariant.MOE_ROW_TILE
+            x, weights, ids = (invariant.padded_rows(t, tile) for t in (x, weights, ids))
+            return torch.cat([self._grouped_pass(*(t[i:i + tile] for t in (x, weights, ids)))
+                              for i in range(0, x.size(0), tile)])[:N]
         if x.size(0) > self.GROUPED_ROWS:
             return torch.cat([self.grouped_forward(*(t[i:i + self.GROUPED_ROWS] for t in (x, weights, ids)))
                               for i in range(0, x.size(0), self.GROUPED_ROWS)])
+        return self._grouped_pass(x, weights, ids)
+
+    def _grouped_pass(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One grouped pass over every row of x (grouped_forward's contract)."""
         N, E, limit = x.size(0), len(self.experts), self.shared_experts.limit
         w13, w2 = self.stacked_weights()
-        gu = F.linear(x, w13).unflatten(-1, (E + 1, 2, -1))  # [N, E+1, 2, inter]: bf16 GEMM, as w1(x), w3(x)
+        gu = invariant.linear(x, w13).unflatten(-1, (E + 1, 2, -1))  # [N, E+1, 2, inter]: bf16, as w1(x), w3(x)
         if x.is_cuda and self.fused_activation:  # the lines below in one launch (kernels/moe.py)
             hidden = moe_kernel.swiglu_route(gu, ids, weights, limit)  # [E+1, N, inter]
         else:
@@ -141,7 +153,7 @@ class MoE(nn.Module):
             route = torch.zeros(N, E + 1, dtype=torch.float32, device=x.device).scatter_(1, ids, weights)
             route[:, E] = 1.0  # the shared expert is unweighted; x * 1.0 is exact
             hidden = (route.unsqueeze(-1) * (F.silu(g) * u)).to(x.dtype).transpose(0, 1)  # [E+1, N, inter]
-        out = torch.bmm(hidden, w2.transpose(1, 2))  # [E+1, N, d] bf16: each expert's w2
+        out = invariant.bmm_nt(hidden, w2)  # [E+1, N, d] bf16: each expert's w2 (torch.bmm outside the mode)
         picked = out[ids.sort(dim=-1).values, torch.arange(N, device=x.device)[:, None]]  # [N, k, d]
         y = torch.zeros(N, x.size(1), dtype=torch.float32, device=x.device)
         for j in range(ids.size(1)):  # ascending expert id, as the official loop adds them

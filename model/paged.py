@@ -149,7 +149,7 @@ class PagedModel:
                 shared["topk"] = select_entries(args, block, x, qr, keys, step.positions, freqs, n_entries, shared)
                 capture(layer, "topk", shared["topk"])
                 decode_order = invariant.window_decode_order(b.decode)  # b.decode outside the mode
-                window_len = torch.full_like(step.end, W) if decode_order else step.end.clamp(max=W)
+                window_len = torch.full_like(step.end, W) if invariant.full_window(decode_order) else step.end.clamp(max=W)
                 compressed_len = (step.end // r).clamp(max=args.index_topk)
                 topk = shared["topk"]  # one list for this index source and the layers that reuse it
                 cache["list"] = attention_list(idx, window_len, torch.where(topk >= 0, topk + W + S, -1),

@@ -198,3 +198,17 @@ def test_rope_kernel_rotates_like_the_torch_path(heads):
         rope_kernel.apply_rope(got[..., -32:], freqs, inverse)
         torch.testing.assert_close(got, want, rtol=2e-7, atol=2e-7)
         assert torch.equal(got[..., :-32], x[..., :-32])  # the other dims untouched
+
+
+@needs_interpreter
+def test_invariant_gemm_matches_torch_and_gives_a_row_the_same_bits_alone():
+    """kernels/gemm.py (the batch-invariant mode's GEMM on CUDA) on fp32, strided operands included; the
+    K tail (40 = 32 + 8) and the edge tiles are masked. tests/gpu checks it compiled, in bf16 and fp32."""
+    from kernels.gemm import gemm_nt
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 70, 40, generator=g), torch.randn(2, 40, 50, generator=g).transpose(1, 2)  # b strided
+    c = gemm_nt(a, b)
+    torch.testing.assert_close(c, a @ b.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert torch.equal(gemm_nt(a[:, 37:38], b), c[:, 37:38])
+    assert torch.equal(gemm_nt(a[1:], b[1:]), c[1:])

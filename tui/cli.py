@@ -107,7 +107,7 @@ def _record_parser(sub) -> None:
     rec.add_argument("--zos", action=argparse.BooleanOptionalAction, default=True,
                      help="zero-overhead scheduling: schedule step N while the device runs N-1")
     rec.add_argument("--batch-invariant", action="store_true",
-                     help="logits bitwise independent of batching and chunking (model/invariant.py; CPU)")
+                     help="logits bitwise independent of batching and chunking (model/invariant.py)")
     rec.add_argument("--max-num-batched-tokens", type=_positive, default=512)
     rec.add_argument("--max-num-seqs", type=_positive, default=8)
     rec.add_argument("--num-kv-blocks", type=_positive, default=24,
