@@ -1,5 +1,5 @@
 """The grouped MoE's SwiGLU between its two GEMMs (spec §5) as one Triton kernel: clamps, silu, the
-routing weight, and the layout the second GEMM wants.
+routing weight, and the layout the second GEMM wants; and the combine after the second GEMM.
 
 Mirrors the expert activation of DeepSeek's inference/model.py (`Expert.forward` between w1/w3 and w2).
 model/moe.py's grouped path runs every expert and the shared one on every row; between its GEMMs the
@@ -42,6 +42,34 @@ if triton is not None:
         route = tl.sum(tl.where(ids == e, weights, 0.0), axis=0)  # at most one selected slot: exact
         route = tl.where(e == E, 1.0, route)
         tl.store(out_ptr + (e * N + n) * I + i, (route * hidden).to(out_ptr.dtype.element_ty), mask=i < I)
+
+
+    @triton.jit
+    def _combine_kernel(out_ptr, ids_ptr, y_ptr, N, E, D, K, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        k = tl.arange(0, BLOCK_K)
+        ids = tl.load(ids_ptr + n * K + k, mask=k < K, other=-1)
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for e in range(0, E):  # ascending expert id: the selected ones, each once
+            if tl.sum((ids == e).to(tl.int32), axis=0) > 0:
+                acc += tl.load(out_ptr + (e * N + n) * D + d, mask=d < D, other=0.0).to(tl.float32)
+        acc += tl.load(out_ptr + (E * N + n) * D + d, mask=d < D, other=0.0).to(tl.float32)  # the shared expert
+        tl.store(y_ptr + n * D + d, acc.to(y_ptr.dtype.element_ty), mask=d < D)
+
+
+def combine(out: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out [E+1, N, d] (every expert's w2 output, the shared one last), ids [N, k] -> [N, d] in `dtype`: each
+    row's selected experts added in fp32 in ascending expert id, the shared expert last, rounded once. The
+    same adds in the same order as model/moe.py's torch lines (zeros, a sort, a gather, k adds, one more
+    add, the cast: 5 + k launches), so the same bits."""
+    E1, N, D = out.shape
+    y = torch.empty(N, D, dtype=dtype, device=out.device)
+    if N:
+        block = min(1024, triton.next_power_of_2(D))
+        _combine_kernel[(N, triton.cdiv(D, block))](out.contiguous(), ids.contiguous(), y, N, E1 - 1, D, ids.size(1),
+                                                    BLOCK_D=block, BLOCK_K=triton.next_power_of_2(ids.size(1)))
+    return y
 
 
 def swiglu_route(gu: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:

@@ -86,7 +86,7 @@ class MoE(nn.Module):
         self._stacked: tuple | None = None  # (key, w13, w2): see stacked_weights
 
     grouped = True       # CUDA dispatch: batched GEMMs over stacked weights (False: one expert at a time)
-    fused_activation = True  # CUDA, grouped: the SwiGLU and routing weight in one Triton launch
+    fused_activation = True  # CUDA, grouped: the SwiGLU and routing weight in one Triton launch, the combine in another
     GROUPED_ROWS = 8192  # rows per grouped pass: bounds the [rows, E+1, 2·inter] fp32 temporaries in prefill
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,6 +154,8 @@ class MoE(nn.Module):
             route[:, E] = 1.0  # the shared expert is unweighted; x * 1.0 is exact
             hidden = (route.unsqueeze(-1) * (F.silu(g) * u)).to(x.dtype).transpose(0, 1)  # [E+1, N, inter]
         out = invariant.bmm_nt(hidden, w2)  # [E+1, N, d] bf16: each expert's w2 (torch.bmm outside the mode)
+        if x.is_cuda and self.fused_activation:  # the lines below in one launch, the same adds (kernels/moe.py)
+            return moe_kernel.combine(out, ids, torch.float32)
         picked = out[ids.sort(dim=-1).values, torch.arange(N, device=x.device)[:, None]]  # [N, k, d]
         y = torch.zeros(N, x.size(1), dtype=torch.float32, device=x.device)
         for j in range(ids.size(1)):  # ascending expert id, as the official loop adds them

@@ -156,7 +156,7 @@ class PagedModel:
                                                compressed_len)
             idx = cache["list"]
         o = self.sparse_attn(layer, attn, q, kv, ckv_pool, idx, b)
-        self.write_ring(layer, kv, step)  # after attention: until then the ring holds the positions before s
+        self.write_ring(layer, kv, step, cache)  # after attention: until then the ring holds the positions before s
         capture(layer, "sparse_attn", o)
         out = attn.output(o, freqs)
         capture(layer, "attn_out", out)
@@ -176,11 +176,15 @@ class PagedModel:
             sources.append(self.stream(ckv_pool, b.block_tables, b.context_len // attn.ratio))
         return sparse_attn(q, torch.cat(sources, dim=1), attn.attn_sink, idx, attn.softmax_scale)
 
-    def write_ring(self, layer: int, kv: torch.Tensor, step: _Step) -> None:
-        """Each row's last min(n, W) window latents go to their ring positions p % W."""
-        keep = step.valid & (step.positions >= step.end[:, None] - self.args.window_size)
-        slots = torch.where(keep, step.batch.state_slots[:, None], self.trash_slot)
-        self.ring[layer, slots, step.positions % self.args.window_size] = kv
+    def write_ring(self, layer: int, kv: torch.Tensor, step: _Step, cache: dict) -> None:
+        """Each row's last min(n, W) window latents go to their ring positions p % W (the addresses are the
+        same for every layer of a forward: computed once, in `cache`)."""
+        if "ring_at" not in cache:
+            keep = step.valid & (step.positions >= step.end[:, None] - self.args.window_size)
+            cache["ring_at"] = (torch.where(keep, step.batch.state_slots[:, None], self.trash_slot),
+                                step.positions % self.args.window_size)
+        slots, at = cache["ring_at"]
+        self.ring[layer, slots, at] = kv
 
     @staticmethod
     def stream(pool: torch.Tensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:

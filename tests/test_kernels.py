@@ -212,3 +212,25 @@ def test_invariant_gemm_matches_torch_and_gives_a_row_the_same_bits_alone():
     torch.testing.assert_close(c, a @ b.transpose(1, 2), rtol=1e-5, atol=1e-5)
     assert torch.equal(gemm_nt(a[:, 37:38], b), c[:, 37:38])
     assert torch.equal(gemm_nt(a[1:], b[1:]), c[1:])
+
+
+@needs_interpreter
+def test_moe_combine_kernel_gives_the_bits_of_the_grouped_torch_lines(moe, monkeypatch):
+    """kernels/moe.py `combine` against the torch lines it replaces (MoE._grouped_pass with the fused
+    path off): the same fp32 adds in ascending expert id, the shared expert last, so the same bits."""
+    from kernels.moe import combine
+
+    x = (torch.randn(9, moe.gate.weight.size(1), generator=torch.Generator().manual_seed(9)) * 2).bfloat16()
+    weights, ids = moe.gate(x)
+    E, g = len(moe.experts), torch.Generator().manual_seed(1)
+    # [E+1, N, d] bf16 w2 outputs with magnitudes spread over 8 decades, so that another order of the adds
+    # (the shared expert first, say) rounds otherwise
+    out = (torch.randn(E + 1, 9, x.size(1), generator=g) * 10 ** (8 * torch.rand(E + 1, 9, 1, generator=g) - 4))
+    out = out.bfloat16()
+    want = torch.zeros(9, x.size(1))
+    picked = out[ids.sort(dim=-1).values, torch.arange(9)[:, None]]
+    for j in range(ids.size(1)):
+        want += picked[:, j]
+    want = want + out[E]
+    assert torch.equal(combine(out, ids, torch.float32), want)
+    assert torch.equal(combine(out, ids.flip(-1), torch.float32), want), "the order of ids must not matter"

@@ -205,3 +205,21 @@ def test_invariant_gemm_compiled_keeps_a_row_s_bits_whatever_the_row_count(dtype
     assert torch.equal(batched.view(3000, 520), full)
     cublas = [F.linear(x[:n], w)[0] for n in (1, 3000)]
     print("cuBLAS row 0 alone vs among 3000 rows equal:", torch.equal(*cublas))
+
+
+def test_moe_combine_kernel_compiled_gives_the_bits_of_the_torch_lines():
+    """kernels/moe.py `combine` compiled: the routed outputs added in ascending expert id in fp32, the shared
+    expert last, bit for bit as MoE._grouped_pass's torch lines (magnitudes over 8 decades, so another
+    order of the adds would show)."""
+    from kernels.moe import combine
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    E, N, D, k = 8, 300, 256, 2
+    out = (torch.randn(E + 1, N, D, generator=g, device="cuda")
+           * 10 ** (8 * torch.rand(E + 1, N, 1, generator=g, device="cuda") - 4)).bfloat16()
+    ids = torch.rand(N, E, generator=g, device="cuda").topk(k, dim=-1).indices
+    want = torch.zeros(N, D, device="cuda")
+    picked = out[ids.sort(dim=-1).values, torch.arange(N, device="cuda")[:, None]]
+    for j in range(k):
+        want += picked[:, j]
+    assert torch.equal(combine(out, ids, torch.float32), want + out[E])
