@@ -50,7 +50,7 @@ def ring_off_by_one(monkeypatch):
     """Window ring: after the first wrap, position p is written to (p + 1) % W instead of p % W."""
     from model.paged import PagedModel
 
-    def write_ring(self, layer, kv, step):
+    def write_ring(self, layer, kv, step, cache):
         keep = step.valid & (step.positions >= step.end[:, None] - self.args.window_size)
         slots = torch.where(keep, step.batch.state_slots[:, None], self.trash_slot)
         p = step.positions
