@@ -34,7 +34,7 @@ import model.attention as attention
 import model.hc as hc
 from engine import LLM, SamplingParams
 from engine.tracer import NullTracer
-from model.moe import MoE
+from model.moe import Gate, MoE
 from model.reference import ReferenceModel
 
 
@@ -112,7 +112,7 @@ def traced_runs(a, directory: str) -> list[dict]:
 
 def set_variant(llm: LLM, name: str) -> None:
     before = name == "before"
-    MoE.grouped = hc.USE_KERNEL = attention.USE_KERNELS = not before
+    MoE.grouped = hc.USE_KERNEL = attention.USE_KERNELS = Gate.fused = not before
     llm.engine.runner.use_cuda_graphs = name == "graphs"
 
 

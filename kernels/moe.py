@@ -58,6 +58,47 @@ if triton is not None:
         tl.store(y_ptr + n * D + d, acc.to(y_ptr.dtype.element_ty), mask=d < D)
 
 
+    @triton.jit
+    def _route_kernel(sp_ptr, bias_ptr, ids_ptr, w_ptr, E, route_scale, K: tl.constexpr, NORM: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        slot = tl.arange(0, BLOCK_K)
+        scores = tl.sqrt_rn(tl.load(sp_ptr + n * E + e, mask=e < E, other=1.0))
+        biased = tl.where(e < E, scores + tl.load(bias_ptr + e, mask=e < E, other=0.0), -float("inf"))
+        ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        ws = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        total = 0.0
+        for j in tl.static_range(K):  # the k largest biased scores in descending order, ties to the lower id
+            top = tl.max(biased, axis=0)
+            pick = tl.min(tl.where(biased == top, e, BLOCK_E), axis=0)
+            w = tl.sum(tl.where(e == pick, scores, 0.0), axis=0)  # one term: exact
+            ids = tl.where(slot == j, pick.to(tl.int64), ids)
+            ws = tl.where(slot == j, w, ws)
+            total += w  # in order: for k = 2 one add, as torch's sum of a pair
+            biased = tl.where(e == pick, -float("inf"), biased)
+        if NORM:
+            ws = tl.div_rn(ws, tl.zeros((BLOCK_K,), dtype=tl.float32) + (total + 1e-20))
+        tl.store(ids_ptr + n * K + slot, ids, mask=slot < K)
+        tl.store(w_ptr + n * K + slot, ws * route_scale, mask=slot < K)
+
+
+def route(softplus: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, route_scale: float):
+    """The gate after its softplus (spec §5): scores = sqrt(softplus), the top k of scores + bias (the bias
+    only selects), their scores normalised over the k (when `norm` and k > 1) and scaled. softplus fp32
+    [N, E], bias fp32 [E] -> (weights fp32 [N, k], ids int64 [N, k] in descending biased score). One
+    launch for model/moe.py's seven (sqrt, add, topk, gather, sum, add, div, mul); the same IEEE
+    operations, the k weights summed in order (k = 2 adds one pair, so the same bits as torch's sum)."""
+    N, E = softplus.shape
+    ids = torch.empty(N, k, dtype=torch.long, device=softplus.device)
+    w = torch.empty(N, k, dtype=torch.float32, device=softplus.device)
+    if N:
+        _route_kernel[(N,)](softplus.contiguous(), bias.contiguous(), ids, w, E, float(route_scale), K=k,
+                            NORM=bool(norm and k > 1), BLOCK_E=triton.next_power_of_2(E),
+                            BLOCK_K=triton.next_power_of_2(k))
+    return w, ids
+
+
 def combine(out: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """out [E+1, N, d] (every expert's w2 output, the shared one last), ids [N, k] -> [N, d] in `dtype`: each
     row's selected experts added in fp32 in ascending expert id, the shared expert last, rounded once. The

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import attention as attention_kernel, norm as norm_kernel, quant as quant_kernel, rope as rope_kernel
+from kernels import attention as attention_kernel, indexer as indexer_kernel, norm as norm_kernel, \
+    quant as quant_kernel, rope as rope_kernel
 from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.config import ModelArgs
 from model.quant import act_quant_fp4, act_quant_fp8
@@ -24,7 +25,7 @@ SPARSE_ATTN_BLOCK = 64  # the kernel's online softmax walks the index list in bl
 USE_KERNELS = True
 
 
-def _kernels(x: torch.Tensor) -> bool:
+def use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and USE_KERNELS
 
 
@@ -35,19 +36,19 @@ def use_attention_kernel(q: torch.Tensor) -> bool:
 
 def rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Spec §2.2 in place on x (the last R dims of a tensor): model/rope.py on CPU, one launch on CUDA."""
-    if _kernels(x) and rope_kernel.applies(x, freqs):
+    if use_kernels(x) and rope_kernel.applies(x, freqs):
         return rope_kernel.apply_rope(x, freqs, inverse)
     return apply_rope(x, freqs, inverse)
 
 
 def quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
     """Spec §2.5a FP8 sim: model/quant.py on CPU, the same bits from one Triton launch on CUDA."""
-    return (quant_kernel.act_quant_fp8 if _kernels(x) else act_quant_fp8)(x, block)
+    return (quant_kernel.act_quant_fp8 if use_kernels(x) else act_quant_fp8)(x, block)
 
 
 def quant_fp4(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
     """Spec §2.5b/c FP4 sim: model/quant.py on CPU, the same bits from one Triton launch on CUDA."""
-    return (quant_kernel.act_quant_fp4 if _kernels(x) else act_quant_fp4)(x, block, scale_fmt)
+    return (quant_kernel.act_quant_fp4 if use_kernels(x) else act_quant_fp4)(x, block, scale_fmt)
 
 
 class Linear(nn.Module):
@@ -70,7 +71,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _kernels(x):
+        if use_kernels(x):
             return norm_kernel.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
@@ -140,6 +141,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
 
     q [B,S,Hi,Di], w [B,S,Hi], keys [B,E,Di] -> [B,S,E] bf16; visible: [B,S] entry counts V(p).
     """
+    if USE_KERNELS and indexer_kernel.applies_scores(q, keys):  # CUDA: the lines below in one launch
+        return indexer_kernel.index_scores(q, w, keys, visible)
     d = invariant.index_scores_dot(q, keys)  # einsum bshd,btd->bsht
     score = invariant.reduce_sum(d.relu_() * w.unsqueeze(-1), 2)  # .sum(dim=2) outside the mode
     entries = torch.arange(keys.size(1), device=keys.device)

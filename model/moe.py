@@ -31,6 +31,8 @@ def _version(t: torch.Tensor) -> int:
 
 
 class Gate(nn.Module):
+    fused = True  # CUDA: everything after the softplus in one Triton launch (kernels/moe.py `route`)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.topk, self.temp, self.route_scale = args.n_activated_experts, args.gate_temp, args.route_scale
@@ -49,7 +51,10 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N,d] -> (weights fp32 [N,k], expert ids [N,k] in descending biased score)."""
         logits = invariant.linear(x.float(), self.weight_fp32())  # F.linear outside the mode
-        scores = invariant.pointwise(F.softplus, logits if self.temp == 1 else logits / self.temp).sqrt()  # x/1 skipped
+        softplus = invariant.pointwise(F.softplus, logits if self.temp == 1 else logits / self.temp)  # x/1 skipped
+        if softplus.is_cuda and self.fused:
+            return moe_kernel.route(softplus, self.bias, self.topk, self.norm_topk_prob, self.route_scale)
+        scores = softplus.sqrt()
         ids = (scores + self.bias).topk(self.topk, dim=-1).indices  # the bias only steers selection
         w = scores.gather(1, ids)
         if self.norm_topk_prob and self.topk > 1:

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import indexer as indexer_kernel
 from kernels.attention import paged_sparse_attn
 from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, use_attention_kernel, \
-    window_index
+    use_kernels, window_index
 from model import invariant  # batch-invariant mode (issue #11)
 from model.engram import engram_history, hash_ids, start_history
 from model.hc import identity_pre_mix
@@ -141,7 +142,7 @@ class PagedModel:
             n_entries, kv_source = b.context_len // r, args.kv_source_of(layer)
             ckv_pool, key_pool = self.entries[kv_source]
             if args.is_kv_source(layer):
-                self.compress(block, x, step)
+                self.compress(block, x, step, cache)
                 # the source's index keys are final for this forward once it has written its own
                 cache["keys", kv_source] = self.stream(key_pool, b.block_tables, n_entries)
             if args.is_index_source(layer):
@@ -149,11 +150,15 @@ class PagedModel:
                 shared["topk"] = select_entries(args, block, x, qr, keys, step.positions, freqs, n_entries, shared)
                 capture(layer, "topk", shared["topk"])
                 decode_order = invariant.window_decode_order(b.decode)  # b.decode outside the mode
-                window_len = torch.full_like(step.end, W) if invariant.full_window(decode_order) else step.end.clamp(max=W)
-                compressed_len = (step.end // r).clamp(max=args.index_topk)
-                topk = shared["topk"]  # one list for this index source and the layers that reuse it
-                cache["list"] = attention_list(idx, window_len, torch.where(topk >= 0, topk + W + S, -1),
-                                               compressed_len)
+                full_window, topk = invariant.full_window(decode_order), shared["topk"]
+                if use_kernels(x):  # the lines below in one launch (kernels/indexer.py), the same list
+                    cache["list"] = indexer_kernel.attention_list(idx, topk, step.end, W + S, r, args.index_topk,
+                                                                  full_window)
+                else:
+                    window_len = torch.full_like(step.end, W) if full_window else step.end.clamp(max=W)
+                    compressed_len = (step.end // r).clamp(max=args.index_topk)
+                    cache["list"] = attention_list(idx, window_len, torch.where(topk >= 0, topk + W + S, -1),
+                                                   compressed_len)
             idx = cache["list"]
         o = self.sparse_attn(layer, attn, q, kv, ckv_pool, idx, b)
         self.write_ring(layer, kv, step, cache)  # after attention: until then the ring holds the positions before s
@@ -193,33 +198,46 @@ class PagedModel:
         n_blocks = -(-n_entries // per_block)
         return pool[block_tables[:, :n_blocks]].flatten(1, 2)[:, :n_entries]
 
-    def compress(self, block: Block, x: torch.Tensor, step: _Step) -> None:
+    def compress(self, block: Block, x: torch.Tensor, step: _Step, cache: dict) -> None:
         """A kv source's new entries (spec §7.3a): pool every group that closes in this chunk, with its
-        members before s taken from the slot's tail, then write index keys and compressed KV to blocks."""
+        members before s taken from the slot's tail, then write index keys and compressed KV to blocks.
+        The addresses depend on the ratio and the step alone: computed once a forward per ratio, in `cache`."""
         attn, layer, b = block.attn, block.layer, step.batch
-        r, pos = attn.ratio, step.positions
+        r = attn.ratio
+        ckv_pool, key_pool = self.entries[layer]
+        if ("compress", r) not in cache:
+            cache["compress", r] = self.compress_addresses(r, step, ckv_pool.size(1), x.device)
+        at = cache["compress", r]
         a, g = attn.compressor.project(x)  # [B, S, D]
         if g is None:
             latent = attn.compressor.pool(a, None)
         else:
             tail_a, tail_g = self.tails[layer]
-            member = pos[..., None] - r + 1 + torch.arange(r, device=x.device)  # [B, S, r] group positions
-            start = b.start[:, None, None]
-            idx = torch.where(member >= start, r + member - start, member.clamp_min(0) % r)
-            gather = lambda tail, t: torch.cat([tail[b.state_slots], t], 1)[step.rows[..., None], idx]  # noqa: E731
+            members = at["members"]
+            gather = lambda tail, t: torch.cat([tail[b.state_slots], t], 1)[step.rows[..., None], members]  # noqa: E731
             latent = attn.compressor.pool(gather(tail_a, a), gather(tail_g, g))
             # the members of a group still open at the end of the chunk wait in the tail
-            keep = step.valid & (pos >= (step.end // r * r)[:, None])
-            slots = torch.where(keep, b.state_slots[:, None], self.trash_slot)
-            tail_a[slots, pos % r], tail_g[slots, pos % r] = a, g
+            tail_a[at["tail_slots"], at["tail_at"]], tail_g[at["tail_slots"], at["tail_at"]] = a, g
+        keys = attn.indexer.keys(latent, at["freqs"])
+        ckv = compressed_kv(latent, at["freqs"], self.args.rope_head_dim)
+        blocks, entry = at["blocks"], at["entry"]
+        ckv_pool[blocks, entry] = ckv
+        key_pool[blocks, entry] = keys
+
+    def compress_addresses(self, r: int, step: _Step, per_block: int, device) -> dict:
+        """compress's addresses at ratio r: each position's group members in [slot's tail | chunk] (`members`),
+        where the open group's members wait (`tail_slots`, `tail_at`), the RoPE of each position's entry
+        (`freqs`), and where a closing position's entry goes (`blocks`, `entry`; others to the trash block)."""
+        b, pos = step.batch, step.positions
         closes = step.valid & ((pos + 1) % r == 0)
         j = pos // r  # the entry a closing token completes; it sits at position j·r
-        freqs = self.weights.rope(r, x.device)[(j * r).clamp(max=self.args.max_seq_len - 1)]
-        keys = attn.indexer.keys(latent, freqs)
-        ckv = compressed_kv(latent, freqs, self.args.rope_head_dim)
-        ckv_pool, key_pool = self.entries[layer]
-        per_block = ckv_pool.size(1)
         blocks = b.block_tables.gather(1, (j // per_block).clamp(max=b.block_tables.size(1) - 1))
-        blocks = torch.where(closes, blocks, self.trash_block)
-        ckv_pool[blocks, j % per_block] = ckv
-        key_pool[blocks, j % per_block] = keys
+        at = {"freqs": self.weights.rope(r, device)[(j * r).clamp(max=self.args.max_seq_len - 1)],
+              "blocks": torch.where(closes, blocks, self.trash_block), "entry": j % per_block}
+        if r > 1:  # groups of more than one member (ratio 1 pools nothing: no tail)
+            member = pos[..., None] - r + 1 + torch.arange(r, device=device)  # [B, S, r] group positions
+            start = b.start[:, None, None]
+            keep = step.valid & (pos >= (step.end // r * r)[:, None])
+            at.update(members=torch.where(member >= start, r + member - start, member.clamp_min(0) % r),
+                      tail_slots=torch.where(keep, b.state_slots[:, None], self.trash_slot), tail_at=pos % r)
+        return at

@@ -234,3 +234,62 @@ def test_moe_combine_kernel_gives_the_bits_of_the_grouped_torch_lines(moe, monke
     want = want + out[E]
     assert torch.equal(combine(out, ids, torch.float32), want)
     assert torch.equal(combine(out, ids.flip(-1), torch.float32), want), "the order of ids must not matter"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("k,norm", [(2, True), (1, True), (2, False)])
+def test_gate_route_kernel_gives_the_bits_of_the_torch_gate(moe, k, norm):
+    """kernels/moe.py `route` (everything after the gate's softplus) against model/moe.py's torch lines: the
+    same ids in the same order and the same weights, bit for bit (k = 2: the sum is one add). The square
+    root is the correctly rounded one (CUDA's sqrtf, the kernel's sqrt_rn); torch's vectorised CPU sqrt is
+    an ulp off for some inputs, so here it is taken through fp64. tests/gpu compares with torch on CUDA."""
+    from kernels.moe import route
+
+    g = torch.Generator().manual_seed(k)
+    softplus = F.softplus(torch.randn(37, 16, generator=g) * 3)
+    bias = torch.randn(16, generator=g) * 0.1
+    scores = softplus.double().sqrt().float()
+    ids = (scores + bias).topk(k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if norm and k > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    got_w, got_ids = route(softplus, bias, k, norm, 1.5)
+    assert torch.equal(got_ids, ids)
+    assert torch.equal(got_w, w * 1.5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("full_window,K", [(False, 5), (True, 5), (False, 0)])
+def test_attention_list_kernel_gives_the_list_of_the_torch_path(full_window, K):
+    """kernels/indexer.py `attention_list` (integers only) against model/attention.py's, exactly: window
+    entries with -1 among them, top-k entries -1 padded at the end, rows ending before and past W."""
+    from kernels.indexer import attention_list as kernel_list
+    from model.attention import attention_list
+
+    g = torch.Generator().manual_seed(K)
+    B, S, W, offset, r, max_c = 3, 4, 8, 8 + 4, 2, 4
+    window = torch.randint(-1, 20, (B, S, W), generator=g)
+    topk = torch.randint(0, 9, (B, S, K), generator=g).sort(-1).values
+    topk[..., K - 2:] = -1 if K else topk[..., K - 2:]
+    end = torch.tensor([3, 9, 30])
+    window_len = torch.full_like(end, W) if full_window else end.clamp(max=W)
+    want = attention_list(window, window_len, torch.where(topk >= 0, topk + offset, -1), (end // r).clamp(max=max_c))
+    assert torch.equal(kernel_list(window, topk, end, offset, r, max_c, full_window), want)
+
+
+@needs_interpreter
+def test_index_scores_kernel_gives_the_scores_of_the_torch_path():
+    """kernels/indexer.py `index_scores` against model/attention.py's torch lines, on values whose every
+    product and sum is exact in bf16 (so the order of the adds cannot show; tests/gpu compares rounding),
+    with strided keys (as the paged stream gives them), an entry block edge and the -inf mask."""
+    from kernels.indexer import index_scores as kernel_scores
+    from model import attention
+
+    g = torch.Generator().manual_seed(0)
+    B, S, H, D, E = 2, 3, 4, 16, 70
+    q = torch.randint(-1, 2, (B, S, H, D), generator=g).bfloat16()
+    w = (2 ** torch.randint(0, 2, (B, S, H), generator=g)).bfloat16()
+    keys = torch.randint(-1, 2, (B, E + 5, D), generator=g).bfloat16()[:, :E]
+    visible = torch.randint(0, E + 1, (B, S), generator=g)
+    want = attention.index_scores(q, w, keys, visible)
+    assert torch.equal(kernel_scores(q, w, keys, visible), want)

@@ -69,9 +69,9 @@ def tail_lost(monkeypatch):
 
     original = PagedModel.compress
 
-    def compress(self, block, x, step):
+    def compress(self, block, x, step, cache):
         saved = {k: (a.clone(), g.clone()) for k, (a, g) in self.tails.items()}
-        original(self, block, x, step)
+        original(self, block, x, step, cache)
         if not step.batch.decode:
             self.tails = saved
     monkeypatch.setattr(PagedModel, "compress", compress)

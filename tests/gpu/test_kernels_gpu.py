@@ -223,3 +223,54 @@ def test_moe_combine_kernel_compiled_gives_the_bits_of_the_torch_lines():
     for j in range(k):
         want += picked[:, j]
     assert torch.equal(combine(out, ids, torch.float32), want + out[E])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_gate_route_kernel_compiled_gives_the_bits_of_the_torch_gate(k):
+    """kernels/moe.py `route` compiled against the gate's torch lines on CUDA: same ids, same weights."""
+    from kernels.moe import route
+
+    g = torch.Generator(device="cuda").manual_seed(k)
+    softplus = F.softplus(torch.randn(3000, 16, generator=g, device="cuda") * 3)
+    bias = torch.randn(16, generator=g, device="cuda") * 0.1
+    scores = softplus.sqrt()
+    ids = (scores + bias).topk(k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if k > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    got_w, got_ids = route(softplus, bias, k, True, 1.5)
+    assert torch.equal(got_ids, ids)
+    assert torch.equal(got_w, w * 1.5)
+
+
+def test_indexer_kernels_compiled_match_the_torch_paths():
+    """kernels/indexer.py compiled: the index list exactly; the scores within a bf16 ulp of the torch lines
+    (the dot products and the head sum associate otherwise), with the same -inf mask."""
+    from kernels.indexer import attention_list as kernel_list, index_scores as kernel_scores
+    from model import attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, S, H, D, E = 5, 33, 8, 64, 300
+    q = torch.randn(B, S, H, D, generator=g, device="cuda").bfloat16()
+    w = torch.randn(B, S, H, generator=g, device="cuda").bfloat16()
+    keys = torch.randn(B, E + 7, D, generator=g, device="cuda").bfloat16()[:, :E]
+    visible = torch.randint(0, E + 1, (B, S), generator=g, device="cuda")
+    attention.USE_KERNELS = False
+    try:
+        want = attention.index_scores(q, w, keys, visible)
+    finally:
+        attention.USE_KERNELS = True
+    got = kernel_scores(q, w, keys, visible)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=2 ** -7, atol=2 ** -6)
+
+    W, K, end = 128, 64, torch.tensor([5, 130, 400, 1, 128], device="cuda")
+    window = torch.randint(-1, 500, (B, S, W), generator=g, device="cuda")
+    topk = torch.randint(0, 200, (B, S, K), generator=g, device="cuda").sort(-1).values
+    topk[..., 50:] = -1
+    for full in (False, True):
+        window_len = torch.full_like(end, W) if full else end.clamp(max=W)
+        want = attention.attention_list(window, window_len, torch.where(topk >= 0, topk + W + S, -1),
+                                        (end // 2).clamp(max=K))
+        assert torch.equal(kernel_list(window, topk, end, W + S, 2, K, full), want)

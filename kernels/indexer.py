@@ -1,0 +1,106 @@
+"""The indexer between its projections and its top-k (spec §2.7), and the index list after it, as Triton
+kernels: where a decode step of tiny-68m launched ~25 small torch ops per index layer (issue #7's profile).
+
+- `index_scores`: score(p, j) = bf16(Σ_h bf16(relu(bf16(q_h·k_j)) · w_h)), -inf where j >= V(p). One
+  program takes a block of queries of one row against a block of entries, all heads: q_h·k_j on the tensor
+  cores (fp32 accumulation, one bf16 rounding, as the einsum's output), relu, the head weight (rounded to
+  bf16, as torch's bf16 product), the head sum in fp32 in head order, one rounding, the mask. Replaces the
+  einsum, relu, product, head sum, arange, comparison and fill of model/attention.py's `index_scores`.
+  The dot products and the head sum may associate otherwise than cuBLAS and torch's reduction, so scores
+  agree within a bf16 ulp, not bit for bit; each row's arithmetic is its own (fixed blocks, head order),
+  so the kernel is batch-invariant as it stands (model/invariant.py).
+- `attention_list`: model/attention.py's `attention_list` (with the shift of the top-k entries to their
+  places after the window and this chunk, and the lengths from each row's end) in one launch of integer
+  work: the same list, exactly.
+"""
+import torch
+
+try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch path is the only path.
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+BLOCK_S, BLOCK_E = 16, 64
+
+if triton is not None:
+
+    @triton.jit
+    def _index_scores_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, S, E, H,
+                             sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, so_b, so_s,
+                             D: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr):
+        b = tl.program_id(2).to(tl.int64)
+        s = tl.program_id(0) * BS + tl.arange(0, BS)
+        e = tl.program_id(1) * BE + tl.arange(0, BE)
+        d = tl.arange(0, D)
+        keys = tl.load(k_ptr + b * sk_b + e.to(tl.int64)[None, :] * sk_e + d[:, None],
+                       mask=(e < E)[None, :], other=0.0)  # [D, BE] bf16
+        acc = tl.zeros((BS, BE), dtype=tl.float32)
+        for h in range(0, H):
+            q = tl.load(q_ptr + b * sq_b + s.to(tl.int64)[:, None] * sq_s + h * sq_h + d[None, :],
+                        mask=(s < S)[:, None], other=0.0)  # [BS, D] bf16
+            # bf16 values are exact in tf32: the same products as a bf16 MMA, fp32 accumulation (and a dot that
+            # Triton's interpreter runs: it has no bf16 matmul)
+            dot = tl.dot(q.to(tl.float32), keys.to(tl.float32), input_precision="tf32").to(tl.bfloat16).to(tl.float32)
+            w = tl.load(w_ptr + b * sw_b + s.to(tl.int64) * sw_s + h, mask=s < S, other=0.0).to(tl.float32)
+            acc += (tl.maximum(dot, 0.0) * w[:, None]).to(tl.bfloat16).to(tl.float32)
+        visible = tl.load(vis_ptr + b * S + s, mask=s < S, other=0)
+        score = tl.where(e[None, :] < visible[:, None], acc, -float("inf")).to(tl.bfloat16)
+        tl.store(out_ptr + b * so_b + s.to(tl.int64)[:, None] * so_s + e[None, :], score,
+                 mask=(s < S)[:, None] & (e < E)[None, :])
+
+    @triton.jit
+    def _attention_list_kernel(window_ptr, topk_ptr, end_ptr, out_ptr, S, W, K, offset, ratio, max_compressed,
+                               FULL_WINDOW: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # b * S + s
+        b = row // S
+        end = tl.load(end_ptr + b)
+        wl = W if FULL_WINDOW else tl.minimum(end, W)
+        cl = tl.minimum(end // ratio, max_compressed)  # with K = 0 no entry loads: -1 past the window
+        j = tl.arange(0, BLOCK)
+        window = tl.load(window_ptr + row * W + j, mask=j < tl.minimum(wl, W), other=-1)
+        c = tl.load(topk_ptr + row * K + (j - wl), mask=(j >= wl) & (j - wl < K), other=-1)
+        c = tl.where(c >= 0, c + offset, -1)
+        listed = tl.where(j < wl, window, tl.where(j - wl < cl, c, -1))
+        tl.store(out_ptr + row * (W + K) + j, listed, mask=j < W + K)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q bf16 [B,S,H,D] (D a power of two, >= 16), w bf16 [B,S,H], keys bf16 [B,E,D] (any strides with a unit
+    last one), visible int [B,S] -> scores bf16 [B,S,E] (model/attention.py `index_scores`)."""
+    B, S, H, D = q.shape
+    E = keys.size(1)
+    out = torch.empty(B, S, E, dtype=q.dtype, device=q.device)
+    if out.numel():
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        w = w if w.stride(-1) == 1 else w.contiguous()
+        keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+        vis = visible.to(torch.int32).contiguous()
+        grid = (triton.cdiv(S, BLOCK_S), triton.cdiv(E, BLOCK_E), B)
+        _index_scores_kernel[grid](q, w, keys, vis, out, S, E, H, q.stride(0), q.stride(1), q.stride(2),
+                                   w.stride(0), w.stride(1), keys.stride(0), keys.stride(1), out.stride(0),
+                                   out.stride(1), D=D, BS=BLOCK_S, BE=BLOCK_E)
+    return out
+
+
+def applies_scores(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """CUDA, bf16, a power-of-two head dim of at least 16 (tl.dot's smallest)."""
+    D = q.size(-1)
+    return (triton is not None and q.is_cuda and q.dtype == keys.dtype == torch.bfloat16
+            and D >= 16 and D & (D - 1) == 0)
+
+
+def attention_list(window: torch.Tensor, topk: torch.Tensor, end: torch.Tensor, offset: int, ratio: int,
+                   max_compressed: int, full_window: bool) -> torch.Tensor:
+    """window int64 [B,S,W] (the cached window indices), topk int64 [B,S,K] (-1 padded), end [B] (each row's
+    start + num_tokens) -> the index list int64 [B,S,W+K], as model/attention.py's
+    attention_list(window, window_len, where(topk >= 0, topk + offset, -1), compressed_len) with
+    window_len = W if full_window else min(end, W) and compressed_len = min(end // ratio, max_compressed)."""
+    B, S, W = window.shape
+    K = topk.size(-1)
+    out = torch.empty(B, S, W + K, dtype=torch.long, device=window.device)
+    if out.numel():
+        _attention_list_kernel[(B * S,)](window.contiguous(), topk.contiguous(), end.contiguous(), out, S, W, K,
+                                         offset, ratio, max_compressed, FULL_WINDOW=full_window,
+                                         BLOCK=triton.next_power_of_2(W + K))
+    return out
