@@ -129,7 +129,8 @@ class MoE(nn.Module):
         return self._stacked[1], self._stacked[2]
 
     def grouped_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Routed + shared output, fp32 [N, d], for x bf16 [N, d], weights fp32 [N, k], ids [N, k];
+        """Routed + shared output [N, d], fp32 (x's dtype from the fused CUDA path, which rounds once in its
+        combine), for x bf16 [N, d], weights fp32 [N, k], ids [N, k];
         rows in passes of GROUPED_ROWS (a split that depends on shapes only). In the batch-invariant mode
         both GEMMs are kernels/gemm.py's, whose rows never see each other; in the mode's torch path every
         pass has exactly invariant.MOE_ROW_TILE rows instead (the last zero-padded, its padding routed to
@@ -159,8 +160,8 @@ class MoE(nn.Module):
             route[:, E] = 1.0  # the shared expert is unweighted; x * 1.0 is exact
             hidden = (route.unsqueeze(-1) * (F.silu(g) * u)).to(x.dtype).transpose(0, 1)  # [E+1, N, inter]
         out = invariant.bmm_nt(hidden, w2)  # [E+1, N, d] bf16: each expert's w2 (torch.bmm outside the mode)
-        if x.is_cuda and self.fused_activation:  # the lines below in one launch, the same adds (kernels/moe.py)
-            return moe_kernel.combine(out, ids, torch.float32)
+        if x.is_cuda and self.fused_activation:  # the lines below and forward's cast in one launch, the same adds
+            return moe_kernel.combine(out, ids, x.dtype)  # (kernels/moe.py): x's dtype, rounded once as .to(x.dtype)
         picked = out[ids.sort(dim=-1).values, torch.arange(N, device=x.device)[:, None]]  # [N, k, d]
         y = torch.zeros(N, x.size(1), dtype=torch.float32, device=x.device)
         for j in range(ids.size(1)):  # ascending expert id, as the official loop adds them

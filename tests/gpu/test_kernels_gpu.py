@@ -274,3 +274,14 @@ def test_indexer_kernels_compiled_match_the_torch_paths():
         want = attention.attention_list(window, window_len, torch.where(topk >= 0, topk + W + S, -1),
                                         (end // 2).clamp(max=K))
         assert torch.equal(kernel_list(window, topk, end, W + S, 2, K, full), want)
+
+
+def test_moe_combine_kernel_compiled_rounds_to_bf16_as_torch_does():
+    """The combine's bf16 output (what the fused grouped MoE returns) is the torch lines' fp32 sum rounded
+    by .to(bfloat16), bit for bit."""
+    from kernels.moe import combine
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = (torch.randn(9, 500, 128, generator=g, device="cuda") * 3).bfloat16()
+    ids = torch.rand(500, 8, generator=g, device="cuda").topk(2, dim=-1).indices
+    assert torch.equal(combine(out, ids, torch.bfloat16), combine(out, ids, torch.float32).bfloat16())
