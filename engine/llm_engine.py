@@ -22,6 +22,7 @@ import torch
 
 from engine.block_manager import BLOCK_SIZE
 from engine.model_runner import ModelRunner, StepHandle, device_name
+from engine import scheduler as scheduler_rules
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 from engine.tracer import NullTracer
@@ -67,7 +68,8 @@ class LLMEngine:
         except ImportError:
             triton_version = None
         return {"engine": {**dataclasses.asdict(self.config), "enable_zos": self.enable_zos, "block_size": BLOCK_SIZE,
-                           "batch_invariant": self.batch_invariant},
+                           "batch_invariant": self.batch_invariant,
+                           "scheduler_version": scheduler_rules.SCHEDULER_VERSION},
                 "model": weights.args.to_dict(), "checkpoint_digest": checkpoint_digest,
                 "device": device_name(device),
                 "torch": torch.__version__, "triton": triton_version,

@@ -29,6 +29,11 @@ from engine.block_manager import BlockManager, StateManager
 from engine.sequence import Sequence, SequenceStatus
 from engine.tracer import NullTracer
 
+# The version of the scheduling rules, written in a trace's header (engine map) so that a replay by other
+# rules says so. 1: a prefill step counted a finished prompt twice against max_num_seqs (it admitted about
+# half); 2: each sequence once (traces recorded from 2026-11-29 on).
+SCHEDULER_VERSION = 2
+
 
 def tables_digest(rows) -> str:
     """The per-step digest of the resource tables: rows of (seq_id, epoch, state_slot, block_table), one per

@@ -87,7 +87,7 @@ def route(softplus: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, route_
     """The gate after its softplus (spec §5): scores = sqrt(softplus), the top k of scores + bias (the bias
     only selects), their scores normalised over the k (when `norm` and k > 1) and scaled. softplus fp32
     [N, E], bias fp32 [E] -> (weights fp32 [N, k], ids int64 [N, k] in descending biased score). One
-    launch for model/moe.py's seven (sqrt, add, topk, gather, sum, add, div, mul); the same IEEE
+    launch for model/moe.py's eight (sqrt, add, topk, gather, sum, add, div, mul); the same IEEE
     operations, the k weights summed in order (k = 2 adds one pair, so the same bits as torch's sum)."""
     N, E = softplus.shape
     ids = torch.empty(N, k, dtype=torch.long, device=softplus.device)

@@ -201,3 +201,47 @@ def test_replay_imports_no_torch_and_the_command_loads_no_model():
             "assert not bad, bad"
             % str(EXAMPLE))
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
+
+
+def with_scheduler_version(src: Path, dst: Path, version, edit=None) -> Path:
+    """`src` rewritten with its header's scheduler_version set to `version` (None: removed), events edited."""
+    import msgpack
+
+    header, events = read_log(src)
+    h = msgpack.unpackb(header, raw=False, strict_map_key=False)
+    h["engine"].pop("scheduler_version", None)
+    if version is not None:
+        h["engine"]["scheduler_version"] = version
+    if edit:
+        edit(events)
+    return write_log(dst, msgpack.packb(h, use_bin_type=True), events)
+
+
+def test_a_recording_names_its_scheduling_rules_and_replays_without_a_note(preempted):
+    from engine.scheduler import SCHEDULER_VERSION
+
+    trace = open_trace(preempted)
+    assert trace.header["engine"]["scheduler_version"] == SCHEDULER_VERSION
+    result = replay_scheduler(trace)
+    assert result.mismatch is None and result.note is None
+
+
+def test_a_trace_of_other_scheduling_rules_is_replayed_with_a_note(preempted, tmp_path, capsys):
+    """A header of scheduler version 1 (the rules before the prefill admission fix): `check --scheduler` says
+    so in one sentence before its table; a header without the field says it only at a mismatch."""
+    from tui.cli import main
+
+    old = with_scheduler_version(preempted, tmp_path / "v1.mdt", 1)
+    assert main(["check", "--scheduler", str(old)]) == 0  # these decisions did not change
+    out = capsys.readouterr().out
+    assert "recorded by scheduler version 1 and is replayed by version 2" in " ".join(out.split())
+    unversioned = with_scheduler_version(preempted, tmp_path / "none.mdt", None)
+    assert replay_scheduler(open_trace(unversioned)).note is None
+
+    def edit(events):
+        i = find(events, "schedule", step=5)
+        row = field(events[i], "rows")[-1]
+        row[4] = list(row_field(row, "block_table")) + [99]
+    broken = with_scheduler_version(preempted, tmp_path / "none-broken.mdt", None, edit)
+    result = replay_scheduler(open_trace(broken))
+    assert result.mismatch is not None and "no scheduler_version" in result.note

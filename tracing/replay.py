@@ -56,6 +56,7 @@ class ReplayResult:
     cancellations: int = 0
     mismatch: Mismatch | None = None
     cut: Cut | None = None   # the log was cut short: replayed up to there
+    note: str | None = None  # the trace was recorded by other scheduling rules (engine/scheduler.py)
     kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BATCH_KINDS, 0))
 
 
@@ -73,6 +74,15 @@ def replay_scheduler(trace: TraceFile) -> ReplayResult:
         if r.result.mismatch is not None:
             break
     r.result.cut = trace.cut
+    version = (trace.header.get("engine") or {}).get("scheduler_version")
+    if version is not None and version != scheduler.SCHEDULER_VERSION:
+        r.result.note = (f"the trace was recorded by scheduler version {version} and is replayed by version "
+                         f"{scheduler.SCHEDULER_VERSION} (engine/scheduler.py says what changed), so decisions "
+                         f"may differ by design.")
+    elif version is None and r.result.mismatch is not None:
+        r.result.note = ("the trace's header has no scheduler_version: if it was recorded before 2026-11-29, "
+                         "its prefill steps admitted about half of max_num_seqs (scheduler version 1), which "
+                         "this scheduler (version 2) does not, so its decisions differ by design.")
     return r.result
 
 

@@ -46,6 +46,8 @@ def _scheduler(a, trace) -> int:
     from tracing.replay import replay_scheduler
 
     r = replay_scheduler(trace)
+    if r.note:
+        Console().print(f"[yellow]{r.note}[/]", soft_wrap=True)
     if r.mismatch:
         print(f"mismatch: {r.mismatch}")
     Console().print(_table(f"scheduler replay of {a.trace}", (
@@ -68,6 +70,8 @@ def _tokens(a, trace) -> int:
 
     console = Console()
     replay = replay_scheduler(trace)
+    if replay.note:
+        console.print(f"[yellow]{replay.note}[/]", soft_wrap=True)
     if replay.mismatch:
         print(f"mismatch: {replay.mismatch}")
         return 1
