@@ -81,12 +81,15 @@ class Choices:
 
 
 def _gap(scores: torch.Tensor, k: int) -> float:
-    """Score of the k-th kept minus the best dropped, relative to the row's largest finite |score|
-    (bf16 rounding noise scales with the terms' size, not with a difference that may cancel)."""
-    s = torch.sort(scores[scores.abs() < torch.inf], descending=True).values
-    if len(s) <= k:
+    """Score of the k-th kept minus the best dropped, relative to the row's largest finite |score| (bf16
+    rounding noise scales with the terms' size, not with a difference that may cancel). The ranking holds
+    every entry that was ranked: a forced entry (+inf) keeps its place in it, one that could not be chosen
+    (-inf: not visible, or masked) is left out."""
+    ranked = torch.sort(scores[scores > -torch.inf], descending=True).values
+    if len(ranked) <= k or ranked[k - 1] == torch.inf:
         return float("inf")
-    return float((s[k - 1] - s[k]) / max(float(s.abs().max()), 1e-30))
+    finite = ranked[ranked < torch.inf]
+    return float((ranked[k - 1] - ranked[k]) / max(float(finite.abs().max()), 1e-30))
 
 
 def _moved(ref: torch.Tensor, got: torch.Tensor, entries: set[int]) -> float:
