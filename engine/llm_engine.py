@@ -22,6 +22,7 @@ import torch
 
 from engine.block_manager import BLOCK_SIZE
 from engine.model_runner import ModelRunner, StepHandle, device_name
+from engine.platform import platform_of
 from engine import scheduler as scheduler_rules
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
@@ -75,6 +76,7 @@ class LLMEngine:
                 "torch": torch.__version__, "triton": triton_version,
                 "dtype": str(weights.embed.weight.dtype).removeprefix("torch."), "seed": self.seed,
                 "intra_op_threads": torch.get_num_threads(),  # CPU kernels' bits depend on it
+                "platform": platform_of(device),  # everything else that decides the bits (engine/platform.py)
                 "rank": self.shard.rank, "world_size": self.shard.world_size, "run_id": run_id(self.shard)}
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:

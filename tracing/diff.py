@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.platform import differences
+
 from tracing.reader import TraceFile
 from tracing.schema import BATCH_KINDS
 
@@ -120,6 +122,9 @@ def diff_traces(ta: TraceFile, tb: TraceFile, tokens_only: bool = False) -> Diff
         va, vb = ta.header.get(key), tb.header.get(key)
         if va != vb:
             result.header_notes.append(f"the headers differ in {key}: {va} vs {vb}")
+    if ta.header.get("platform") != tb.header.get("platform"):  # other bits: token differences may be near ties
+        result.header_notes.append("recorded on other platforms (" + "; ".join(
+            differences(ta.header.get("platform"), tb.header.get("platform") or {}, ("in A", "in B"))) + ")")
     if ta.cut or tb.cut:  # compare what both hold: the cut log's steps, the requests both saw, shared tokens
         last = min(r.steps[-1][0] if r.steps else -1 for r, t in ((a, ta), (b, tb)) if t.cut)
         both = set(a.requests) & set(b.requests)

@@ -43,7 +43,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 HEADER_FIELDS = ("magic", "schema_version", "time", "argv", "t0_ns", "engine", "model", "checkpoint_digest",
                  "device", "torch", "triton", "dtype", "seed", "rank", "world_size", "intra_op_threads", "model_source",
-                 "run_id")
+                 "run_id", "platform")
 
 # The last 9 bytes of a cleanly closed log are a msgpack uint64 (0xcf + 8 big-endian bytes): the byte offset
 # of the footer event. A log without them was cut short (a crash, or a run still going) and is indexed by a scan.
