@@ -10,11 +10,14 @@ length, the whole request gives the same bits, so it is computed once. The recor
 re-executed in order on the paged model with every input token taken from the trace, so a token that
 flipped at a near tie never derails the rows after it. Every position's logits are compared with the
 reference's by the rules of model/compare.py: a discrete choice that differs at a near tie, or an FP8
-window code one step away, is a near tie, and that request (at that epoch: a recomputation starts
-afresh) is compared no further; a choice that differs with a clear gap is the divergence. A sampled
-token is compared with the token the reference's logits give under the row's sampler: one that differs
-where the reference's own margin is above the tolerance is the divergence too, one within it a token near
-tie (the tokens are teacher-forced, so comparison goes on).
+window code one step away, is a named near tie, and comparison goes on (the summary counts the positions
+compared after a request's first tie). A position over the tolerance that no near tie explains, or a
+choice that differs by a clear gap, is a suspect for pass 2. A sampled token is compared with the token the
+reference's logits give under the row's sampler: within twice the tolerance of it (each logit may move by
+the tolerance) it is a token near tie; further, where the re-execution samples the reference's token, the
+recording computed other bits: on another platform (engine/platform.py) a platform difference, named as
+one; on the recording's own platform a divergence, since the recorded token is not what its computation
+gives.
 
 Pass 2 localises. A second replay, `lag`, runs every step after the first with every compared row
 teacher-forced: each layer's inputs (the stream entering the Engram block and the block, and the
@@ -22,13 +25,15 @@ pre-mix) are replaced by those of the whole request through the reference (one r
 for every step: a prefix's bits at a shared position can differ from the whole's by shape noise, most on
 CUDA, where the GEMMs' kernels depend on the row count) through forward pre-hooks, so its state (rings,
 tails, KV blocks, Engram history) is what the engine writes from that reference's inputs, and the modules
-are compared with that same reference. At a step with a position
-over the tolerance (or a divergence), that row's modules are compared in order within each layer
-(Engram, attention input, window, compressor, index keys, indexer top-k and candidates, sparse attention,
+are compared with that same reference. At a step with a suspect (pass 1's position over the tolerance,
+or its choice flipped by a clear gap), that row's modules are compared in order within each layer (Engram,
+attention input, window, compressor, index keys, indexer top-k and candidates, sparse attention,
 attention output, MoE input, MoE routing, MoE experts, layer output); the window and the compressed
 entries are what the row reads from lag's state, by position and by entry, and a stored FP8/FP4 code one
 step from the reference's is rounding. The first module over the per-module tolerance, or whose discrete
-choice differs, is named and is the divergence; a position where none is counts as shape noise.
+choice differs by a clear gap, is named and is the divergence. Where the teacher-forced pass makes the
+reference's choices (or differs from them only at near ties) and no module is over its tolerance, pass 1's
+suspect is shape noise: the bits of a decode shape against a prefill shape, carried downstream, not a bug.
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tracing.execute import load_recorded_model, margin, platform_note, recorded_batches, recorded_tokens
+from tracing.execute import (load_recorded_model, margin, platform_note, recorded_batches, recorded_tokens,
+                             request_tokens)
 from tracing.reader import Cut, TraceError, TraceFile
 
 # Per-module tolerance on the relative L2 of a row's output with teacher-forced inputs. Identical inputs
@@ -81,56 +87,46 @@ class AgainstResult:
     max_diff: float = 0.0            # over the rows within tolerance
     tolerance: float = 0.0
     near_ties: list[tuple[int, int, object]] = field(default_factory=list)  # (step, seq_id, NearTie or token note)
+    platform_differences: list[tuple[int, int, str]] = field(default_factory=list)  # (step, seq_id, note)
+    after_ties: int = 0              # positions compared in requests (at an epoch) after their first near tie
     divergence: Divergence | None = None
-    noise: int = 0                   # positions over the tolerance where no module differs (shape noise)
+    noise: int = 0                   # positions over the tolerance (or choices flipped) where no module differs
     noise_max: float = 0.0
+    noise_notes: list[tuple[int, int, str]] = field(default_factory=list)  # (step, seq_id, what pass 1 saw)
     platform_note: str = ""
     cut: Cut | None = None
-
-
-def request_tokens(trace: TraceFile) -> dict[int, list[int]]:
-    """Each request's prompt followed by the tokens the engine appended, in position order."""
-    prompts, outputs = {}, {}
-    for e in trace.events():
-        if e.kind == "request_added":
-            prompts[e.seq_id] = list(e.prompt_token_ids)
-        elif e.kind == "token" and e.appended:
-            outputs.setdefault(e.seq_id, {})[e.position] = e.token_id
-    seqs = {}
-    for s, prompt in prompts.items():
-        out = outputs.get(s, {})
-        expected = list(range(len(prompt), len(prompt) + len(out)))
-        if sorted(out) != expected:
-            raise TraceError(f"request {s}'s appended tokens are not at consecutive positions after its prompt, "
-                             f"so its token list cannot be rebuilt.")
-        seqs[s] = prompt + [out[p] for p in expected]
-    return seqs
 
 
 class _Reference:
     """One request's prefix through the reference model: the final stream of every position (the logits of
     a chunk are computed from it on demand), the discrete choices, and every layer's inputs at every
-    position (the stream entering the Engram block and the block, and the pre-mix), for teacher forcing."""
+    position (the stream entering the Engram block and the block, and the pre-mix), for teacher forcing.
+    With `tap`, also every module's output at every position (`self.tap`, for pass 2)."""
 
-    def __init__(self, weights, tokens: list[int], capture=None):
+    def __init__(self, weights, tokens: list[int], tap: bool = False):
         from model.compare import Choices
         from model.reference import ReferenceModel
 
-        self.weights, self.tokens, self.choices = weights, tokens, Choices(weights.args)
+        self.weights, self.tokens = weights, tokens
+        self.tap = _Tap(weights, lambda t: t[0], whole=True) if tap else None
+        self.choices = self.tap.choices if tap else Choices(weights.args)
         self.inputs: dict[tuple[int, str, int], torch.Tensor] = {}
-        model, hooks = ReferenceModel(weights), self.choices.hooks(weights)
+        model, hooks = ReferenceModel(weights), [] if tap else self.choices.hooks(weights)
         for block in weights.layers:
             if block.engram is not None:
                 hooks.append(block.engram.register_forward_pre_hook(self._keep(block.layer, "engram_in", 1)))
             hooks.append(block.register_forward_pre_hook(self._keep(block.layer, "block_in", 2)))
         try:
             with torch.inference_mode():
-                h, pre_mix, row_ids, shared = model.start(tokens, capture or self.choices.capture)
+                capture = self.tap.capture if tap else self.choices.capture
+                h, pre_mix, row_ids, shared = model.start(tokens, capture)
                 for block in weights.layers:
                     h, pre_mix = model.layer(block, h, pre_mix, row_ids, shared)
         finally:
             for hook in hooks:
                 hook.remove()
+            if tap:
+                self.tap.remove()
         self.h, self.pre_mix = h[0], pre_mix[0]
 
     def _keep(self, layer: int, name: str, n: int):
@@ -208,16 +204,22 @@ class _Replay:
 @dataclass(slots=True)
 class _Track:
     """One request at one epoch (a recomputation after preemption starts a new track)."""
-    flip: object = None      # the first FP8 window rounding flip seen in its rows
-    stopped: object = None   # the near tie after which it is compared no further
+    tied: bool = False       # past its first near tie: later positions count as compared after ties
 
 
 def check_against_reference(trace: TraceFile, model: str | None = None, device: str = "cpu",
-                            until: int | None = None, on_step=None, localise: bool = True) -> AgainstResult:
-    """Pass 1 (and, at a position over the tolerance, pass 2) of the module docstring."""
+                            until: int | None = None, on_step=None, localise: bool = True,
+                            seq_ids: set[int] | None = None) -> AgainstResult:
+    """Pass 1 (and, at a position over the tolerance, pass 2) of the module docstring; with `seq_ids`, the
+    rows of those requests alone (a row's computation never reads another row's state)."""
     weights = load_recorded_model(trace, model, device)
     check = _Check(weights, trace, localise)
-    batches = [b for b in recorded_batches(trace, until) if b.rows]
+    batches = []
+    for batch in recorded_batches(trace, until):
+        if seq_ids is not None:
+            batch.rows = [r for r in batch.rows if r.seq_id in seq_ids]
+        if batch.rows:
+            batches.append(batch)
     check.last_step = {r.seq_id: b.step for b in batches for r in b.rows}
     for i, batch in enumerate(batches):
         if on_step:
@@ -225,6 +227,15 @@ def check_against_reference(trace: TraceFile, model: str | None = None, device: 
         if check.step(batch):
             break
     return check.result
+
+
+@dataclass(slots=True)
+class _Suspect:
+    """A row of a step that pass 1 could not clear: its first position over the tolerance that no near tie
+    explains, or a discrete choice that differs by a clear gap. Pass 2 decides: a module, or shape noise."""
+    b: int                   # batch row
+    divergence: Divergence
+    over: int                # positions of the row over the tolerance
 
 
 class _Check:
@@ -238,7 +249,8 @@ class _Check:
         self.weights, self.localise = weights, localise
         self.seqs, self.recorded = request_tokens(trace), recorded_tokens(trace)
         self.tol = tolerance(weights)
-        self.result = AgainstResult(tolerance=self.tol, platform_note=platform_note(trace, weights), cut=trace.cut)
+        self.note = platform_note(trace, weights)
+        self.result = AgainstResult(tolerance=self.tol, platform_note=self.note, cut=trace.cut)
         engine = trace.header["engine"]
         self.replay, self.lag = _Replay(weights, engine, self.seqs), _Replay(weights, engine, self.seqs)
         # A prefix at least `saturated` long has the attention lists' full lengths (window_size entries and
@@ -255,18 +267,20 @@ class _Check:
         end = row.start + row.num_tokens
         return _Reference(self.weights, self.seqs[row.seq_id][:end]) if end < self.saturated else self.whole(row.seq_id)
 
-    def whole(self, seq_id: int) -> _Reference:
-        """The whole request through the reference, computed once. It also forces every step of the request on
+    def whole(self, seq_id: int, tap: bool = False) -> _Reference:
+        """The whole request through the reference, computed once (again with taps, the first time pass 2 needs
+        them: the same tokens and shapes give the same bits). It also forces every step of the request on
         `lag`, and localising compares with it: a prefix reference's bits at a shared position may differ
         from a longer one's by shape noise (on CUDA the GEMMs' kernels depend on the row count), and state
         written from one reference's inputs compares with that reference alone."""
-        if seq_id not in self.refs:
-            self.refs[seq_id] = _Reference(self.weights, self.seqs[seq_id])
-        return self.refs[seq_id]
+        ref = self.refs.get(seq_id)
+        if ref is None or (tap and ref.tap is None):
+            ref = self.refs[seq_id] = _Reference(self.weights, self.seqs[seq_id], tap)
+        return ref
 
     def step(self, batch) -> bool:
-        """Compare one step's rows, then run it teacher-forced on `lag`, localising the first position over
-        the tolerance (or the divergence) there. True when the check is over (a divergence)."""
+        """Compare one step's rows, then run it teacher-forced on `lag`, where pass 2 decides every row pass 1
+        could not clear. True when the check is over (a divergence)."""
         from model.compare import Choices
 
         choices = Choices(self.weights.args)
@@ -277,87 +291,105 @@ class _Check:
             for h in hooks:
                 h.remove()
         self.result.steps += 1
-        forced, focus, divergence, self.over = [], None, None, 0  # focus: (batch row, its reference, Divergence)
+        forced, suspects = [], []
         for b, row in enumerate(batch.rows):
             track = self.tracks.setdefault((row.seq_id, row.epoch), _Track())
-            if track.stopped is not None:
-                continue
-            whole = self.whole(row.seq_id)
-            forced.append((b, row.start, row.num_tokens, whole))
+            forced.append((b, row.start, row.num_tokens, self.whole(row.seq_id)))
             verdict = self.compare_row(batch, b, row, self.reference(row), track, logits, choices)
-            if verdict is not None and focus is None:
-                focus = (b, whole, verdict)
-            if verdict is not None and not verdict.detail.startswith("logits differ"):
-                divergence = verdict  # a clear-gap choice or a token: nothing after it is compared
-                focus = (b, whole, verdict)
-                break
+            if isinstance(verdict, Divergence):  # a recorded token that neither computation gives
+                self.result.divergence = verdict
+                return True
+            if verdict is not None:
+                suspects.append(verdict)
         force = _Force(self.weights, forced)
-        if focus is not None and self.localise:
-            _localise(self.weights, self.lag, batch, force, *focus)
+        if suspects and self.localise:
+            refs = {s.b: self.whole(batch.rows[s.b].seq_id, tap=True) for s in suspects}
+            divergence = _localise(self.weights, self.lag, batch, force, suspects, refs)
         else:
             with force:
                 self.lag.run(batch)
-        if focus is not None and divergence is None:  # over the tolerance: a module, or shape noise
-            if focus[2].module is not None:
-                divergence = focus[2]
-            else:  # every position over the tolerance in this step counts as shape noise
-                self.result.noise += self.over
+            divergence = suspects[0].divergence if suspects else None
+        for s in suspects:
+            if s.divergence is not divergence:
+                self.result.noise += s.over
+                self.result.noise_notes.append((batch.step, batch.rows[s.b].seq_id, s.divergence.detail))
         self.result.divergence = divergence
         for seq_id in [q for q, last in self.last_step.items() if last == batch.step]:
             self.refs.pop(seq_id, None)
         return divergence is not None
 
-    def compare_row(self, batch, b: int, row, ref: _Reference, track: _Track, logits, choices) -> Divergence | None:
-        """Every position of one row, then its sampled token. Returns the first position over the tolerance
-        that no near tie explains, or a divergence (a clear-gap choice, a token); records near ties."""
-        from kernels.sampling import sample
-        from model.compare import explain, rounding_flip
+    def compare_row(self, batch, b: int, row, ref: _Reference, track: _Track, logits, choices):
+        """Every position of one row, then its sampled token. Near ties are recorded and comparison goes on
+        (the inputs are the recorded tokens, so every later position is still checked). Returns None when
+        the row is clear, a _Suspect for pass 2, or a Divergence (the recorded token, which neither the
+        re-execution nor the reference gives)."""
+        from model.compare import NearTie, explain, rounding_flip
 
         result, tol, S = self.result, self.tol, logits.size(1)
         ref_logits = ref.logits(row.start, row.start + row.num_tokens)
-        over = None
+        suspect = None
         for j in range(row.num_tokens):  # every token of the chunk, in causal order
             p, got_row = row.start + j, b * S + j
-            if track.flip is None:  # the first FP8 window flip so far
-                track.flip = rounding_flip(ref.choices, p, choices, got_row)
             result.rows += 1
+            result.after_ties += track.tied
             why = explain(ref.choices, p, choices, got_row)
             diff = float((logits[b, j] - ref_logits[j]).abs().max())
-            if why is None and diff > tol and track.flip is not None:
-                why = track.flip
-            if why is not None and not isinstance(why, str):
-                track.stopped = why
+            if why is None and diff > tol:
+                why = rounding_flip(ref.choices, p, choices, got_row)
+            if isinstance(why, NearTie):
+                track.tied = True
                 result.near_ties.append((batch.step, row.seq_id, why))
-                return over
-            if why is not None:
-                return Divergence(batch.step, row.seq_id, row.epoch, p, why, diff)
-            if diff > tol:
-                result.noise_max, self.over = max(result.noise_max, diff), self.over + 1
-                over = over or Divergence(batch.step, row.seq_id, row.epoch, p, f"logits differ from the reference's "
-                                          f"by {diff:.4g} > {tol}, and no near tie explains it", diff)
                 continue
-            result.max_diff = max(result.max_diff, diff)
+            if why is None and diff <= tol:
+                result.max_diff = max(result.max_diff, diff)
+                continue
+            result.noise_max = max(result.noise_max, diff)
+            if suspect is None:
+                detail = why or f"logits differ from the reference's by {diff:.4g} > {tol}, and no near tie explains it"
+                suspect = _Suspect(b, Divergence(batch.step, row.seq_id, row.epoch, p, detail, diff), 0)
+            suspect.over += 1
         want = self.recorded.get((batch.step, row.seq_id, row.epoch)) if row.sample else None
-        if want is None or over is not None:
-            return over
+        if want is None or suspect is not None:
+            return suspect  # a row over the tolerance: pass 2 judges its token with it
         result.tokens += 1
-        ref_token = int(sample(ref_logits[-1:], torch.tensor([row.temperature], dtype=torch.float32),
-                               torch.tensor([row.seed]), torch.tensor([row.output_position]))[0])
-        if ref_token != want[1]:
-            m = margin(ref_logits[-1], row, ref_token, want[1])
-            note = f"token at position {want[0]}: recorded {want[1]}, the reference samples {ref_token} with margin {m:.4g}"
-            if m > tol:
-                return Divergence(batch.step, row.seq_id, row.epoch, row.start + row.num_tokens - 1, note, 0.0)
-            result.near_ties.append((batch.step, row.seq_id, f"{note} (within {tol}: a token near tie)"))
-        return None
+        return self.compare_token(batch, b, row, want, ref_logits[-1], logits[b, row.num_tokens - 1], track)
+
+    def compare_token(self, batch, b: int, row, want, ref_logits, got_logits, track: _Track) -> Divergence | None:
+        """The recorded token against the reference's under the row's sampler, the row's logits being within
+        the tolerance (or explained). The same, within twice the tolerance of it (each logit may move by the
+        tolerance), or what the re-execution samples: a token near tie. Else, on another platform, the
+        recording platform computed other bits: a platform difference. On the recording's own platform it is
+        a divergence: the recorded token is not what its computation gives."""
+        position, recorded = want
+        ref_token, got_token = self.sample(ref_logits, row), self.sample(got_logits, row)
+        if ref_token == recorded:
+            return None
+        m = margin(ref_logits, row, ref_token, recorded)
+        note = (f"token at position {position}: recorded {recorded}, the reference samples {ref_token} with margin "
+                f"{m:.4g}, the re-execution here {got_token}")
+        track.tied = True
+        if m <= 2 * self.tol or got_token == recorded:
+            self.result.near_ties.append((batch.step, row.seq_id, f"{note} (a token near tie)"))
+            return None
+        if self.note:
+            self.result.platform_differences.append((batch.step, row.seq_id, f"{note}: the re-execution agrees with "
+                                                     "the reference, the recording platform computed other bits"))
+            return None
+        return Divergence(batch.step, row.seq_id, row.epoch, row.start + row.num_tokens - 1, note, 0.0)
+
+    @staticmethod
+    def sample(logits, row) -> int:
+        from kernels.sampling import sample
+        return int(sample(logits[None].float(), torch.tensor([row.temperature], dtype=torch.float32),
+                          torch.tensor([row.seed]), torch.tensor([row.output_position]))[0])
 
 
 # ---- pass 2 ------------------------------------------------------------------------------------------------
 
 class _Tap:
-    """Module outputs of one forward at one chunk of rows: `rows(t)` picks the chunk from a [B, S, ...]
-    tensor. `whole=True` (the reference) also keeps every position's window latents and the whole sequence's
-    compressed entries and index keys."""
+    """Module outputs of one forward: `rows(t)` picks what is kept of a [B, S, ...] tensor (the reference keeps
+    its sequence's every position, a replay the whole batch). `whole=True` (the reference) also keeps the
+    whole sequence's compressed entries and index keys."""
 
     OUTPUTS = ("engram", "window_kv", "sparse_attn", "attn_out", "block")
 
@@ -384,8 +416,8 @@ class _Tap:
         self.choices.capture(layer, name, t)
         if name in self.OUTPUTS:
             self._put(layer, name, t)
-        if self.whole and name in ("compressed_kv", "index_keys", "window_kv"):
-            self.out[(layer, name + "_all")] = t[0].float().cpu()  # every position or entry of the sequence
+        if self.whole and name in ("compressed_kv", "index_keys"):
+            self.out[(layer, name + "_all")] = t[0].float().cpu()  # every entry of the sequence
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -421,39 +453,46 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return float(d.abs().max()) if d.numel() else 0.0, float(d.norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def _localise(weights, lag: _Replay, batch, force: _Force, b: int, ref: "_Reference", div: Divergence) -> Divergence:
+def _localise(weights, lag: _Replay, batch, force: _Force, suspects: list[_Suspect], refs: dict) -> Divergence | None:
     """Pass 2: run the step on `lag` (the state before it, written by teacher-forced steps) with every compared
-    row teacher-forced, and name the first module of row b that differs (div.module), or say why none does."""
-    from model.compare import CHOICES, explain_choice
-
-    args = weights.args
-    row, S = batch.rows[b], max(r.num_tokens for r in batch.rows)
-    start, p, end = row.start, div.position, row.start + row.num_tokens
-    ring = lag.model.ring[:, row.state_slot].float().cpu()  # [L, W, D] before the step writes it
-    want = _Tap(weights, lambda t: t[0, start:end], whole=True)
-    _Reference(weights, ref.tokens, want.capture)  # the forcing reference again (same tokens, same bits), observed
-    want.remove()
-    got = _Tap(weights, lambda t: t[b, :row.num_tokens])
+    row teacher-forced, and name the first module of each suspect row that differs (its divergence's module);
+    the first suspect with a module named is the divergence, the others are shape noise (their module_note
+    says why). `refs` maps a suspect's batch row to its request's tapped whole reference."""
+    rings = {s.b: lag.model.ring[:, batch.rows[s.b].state_slot].float().cpu() for s in suspects}  # [L, W, D] before
+    got = _Tap(weights, lambda t: t)  # the whole batch [B, S, ...]
     try:
         with force:
             lag.run(batch, got.capture)
     finally:
         got.remove()
-    ref = want
+    S = max(r.num_tokens for r in batch.rows)
+    for s in suspects:
+        module = _first_module(weights, lag, batch.rows[s.b], s, got, refs[s.b].tap, rings[s.b], S)
+        if isinstance(module, ModuleDiff):
+            s.divergence.module = module
+            return s.divergence
+        s.divergence.module_note = module
+    return None
+
+
+def _first_module(weights, lag: _Replay, row, suspect: _Suspect, got: _Tap, ref: _Tap, ring, S: int):
+    """The first module of the suspect's row whose output (with teacher-forced inputs) is over the per-module
+    tolerance, or whose discrete choice differs by a clear gap; else a sentence saying why none is."""
+    from model.compare import CHOICES, NearTie, explain_choice
+
+    args, b, p = weights.args, suspect.b, suspect.divergence.position
+    start, j = row.start, p - row.start  # the suspect position's index in the row's chunk
     tol = MODULE_TOL_FP32 if weights.embed.weight.dtype == torch.float32 else MODULE_TOL_BF16
-    last = p - start  # the divergent token's index in the chunk (and in both taps)
-    W = args.window_size
+    W, ties = args.window_size, []
+    at = lambda L, name: (got.out[(L, name)][b, j], ref.out[(L, name)][p])  # noqa: E731
     for block in weights.layers:
         L, r = block.layer, args.compress_ratios[block.layer]
-        stages = []
-        if block.engram is not None:
-            stages.append(("Engram", got.out[(L, "engram")][last], ref.out[(L, "engram")][last]))
-        stages.append(("attention input (hyper-connection pre-mix)", got.out[(L, "attn_in")][last],
-                       ref.out[(L, "attn_in")][last]))
+        stages = [("Engram", *at(L, "engram"))] if block.engram is not None else []
+        stages.append(("attention input (hyper-connection pre-mix)", *at(L, "attn_in")))
         window = range(max(0, p - W + 1), p + 1)
-        got_window = torch.stack([got.out[(L, "window_kv")][q - start] if q >= start else ring[L, q % W]
+        got_window = torch.stack([got.out[(L, "window_kv")][b, q - start] if q >= start else ring[L, q % W]
                                   for q in window])
-        stages.append(("window", got_window, ref.out[(L, "window_kv_all")][window.start:p + 1]))
+        stages.append(("window", got_window, ref.out[(L, "window_kv")][window.start:p + 1]))
         if r and args.is_kv_source(L):
             n = (p + 1) // r
             for pool, name, module in zip(lag.model.entries[L], ("compressed_kv_all", "index_keys_all"),
@@ -461,25 +500,22 @@ def _localise(weights, lag: _Replay, batch, force: _Force, b: int, ref: "_Refere
                 stages.append((module, lag.model.stream(pool, torch.tensor([row.block_table], device=pool.device),
                                                         n)[0].float().cpu(), ref.out[(L, name)][:n]))
         stages += [(name, None, None) for name, _ in CHOICES[:2]]
-        stages += [("sparse attention", got.out[(L, "sparse_attn")][last], ref.out[(L, "sparse_attn")][last]),
-                   ("attention output", got.out[(L, "attn_out")][last], ref.out[(L, "attn_out")][last]),
-                   ("MoE input (hyper-connection post and pre-mix)", got.out[(L, "ffn_in")][last],
-                    ref.out[(L, "ffn_in")][last]),
-                   ("experts", None, None),
-                   ("MoE experts", got.out[(L, "ffn_out")][last], ref.out[(L, "ffn_out")][last]),
-                   ("layer output (hyper-connection post)", got.out[(L, "block")][last], ref.out[(L, "block")][last])]
+        stages += [("sparse attention", *at(L, "sparse_attn")), ("attention output", *at(L, "attn_out")),
+                   ("MoE input (hyper-connection post and pre-mix)", *at(L, "ffn_in")),
+                   ("experts", None, None), ("MoE experts", *at(L, "ffn_out")),
+                   ("layer output (hyper-connection post)", *at(L, "block"))]
         for module, a, c in stages:
-            if a is None:  # a discrete choice
-                why = explain_choice(ref.choices, p, got.choices, b * S + last, L, module)
-                if why is not None:
+            if a is None:  # a discrete choice: the reference's, or a near tie; a clear gap is the divergence
+                why = explain_choice(ref.choices, p, got.choices, b * S + j, L, module)
+                if isinstance(why, NearTie):
+                    ties.append(str(why))
+                elif why is not None:
                     label = {"candidates": "candidate blocks", "topk": "indexer top-k", "experts": "MoE routing"}[module]
-                    div.module = ModuleDiff(L, label, 0.0, 0.0, str(why))
-                    return div
+                    return ModuleDiff(L, label, 0.0, 0.0, why)
                 continue
             max_diff, rel = _rel(a, c)
             if rel > tol and not (module in CODED and _one_code_apart(a, c, *CODED[module])):
-                div.module = ModuleDiff(L, module, max_diff, rel)
-                return div
-    div.module_note = (f"with teacher-forced inputs no module differs by more than {tol:.3g} relative L2; the "
-                       f"difference builds up across layers or lies in the head")
-    return div
+                return ModuleDiff(L, module, max_diff, rel)
+    tied = f" ({len(ties)} near ties, the first: {ties[0]})" if ties else ""
+    return (f"shape noise: with teacher-forced inputs every discrete choice is the reference's or a near tie{tied} and no module "
+            f"differs by more than {tol:.3g} relative L2; the difference builds up across layers or lies in the head")

@@ -4,17 +4,20 @@
 Every recorded `schedule` event is turned back into the ScheduledBatch the engine executed (same rows,
 order, token counts, block tables and state slots) and run through a fresh ModelRunner, step after step;
 an in-flight input token is taken on the device from the previous step's output, as in the recorded run.
-Every sampled token is compared with the recorded one, stale ones included. On the device and library
-versions that recorded the run the computation is the same, so the comparison is exact. Elsewhere the
-result says so and the near-tie rule applies: a token that differs where the re-executed logits put the
-recorded token within the end-to-end tolerance of the winner is a near tie, and that request is compared
-no further (everything after a flip is downstream of it); any other difference is a mismatch.
+Every sampled token is compared with the recorded one, stale ones included. On the recording's platform
+(engine/platform.py) the computation is the same, so the comparison is exact. On another platform the
+cross-platform rule applies. Each logit may move by the end-to-end tolerance, so a recorded token that lies
+within twice the tolerance of the re-executed winner is a near tie. A token further away is put to the plain
+reference: if the reference samples what the re-execution sampled, this platform's engine is right and the
+recording platform computed other bits (a platform difference, named as one); if not, it is a mismatch.
+After a near tie or a platform difference the request goes on being compared: its in-flight input tokens
+are the recorded ones from then on, so every later position is still checked.
 
 This module loads torch and the model (the rest of tracing/ does not); it is imported only by `check`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tracing.reader import Cut, TraceError, TraceFile
 from tracing.schema import BATCH_KINDS
@@ -28,10 +31,12 @@ class TokenMismatch:
     expected: int        # recorded
     got: int             # re-executed
     margin: float        # how far the recorded token's score lies below the winner's, in logit units
+    note: str = ""       # what the reference said of it, on another platform
 
     def __str__(self) -> str:
         return (f"step {self.step}, request {self.seq_id}, position {self.position}: recorded token "
-                f"{self.expected}, re-executed {self.got} (logit margin {self.margin:.4g})")
+                f"{self.expected}, re-executed {self.got} (logit margin {self.margin:.4g})"
+                + (f"; {self.note}" if self.note else ""))
 
 
 @dataclass(slots=True)
@@ -39,8 +44,11 @@ class ExecuteResult:
     steps: int = 0
     tokens: int = 0                      # sampled tokens compared
     mismatch: TokenMismatch | None = None
-    near_ties: list[TokenMismatch] = field(default_factory=list)  # other platforms only
-    same_platform: bool = True           # device and torch version equal to the recording's
+    near_ties: list[TokenMismatch] = field(default_factory=list)   # another platform only
+    platform_differences: list[TokenMismatch] = field(default_factory=list)  # beyond a tie, and no divergence here
+    against: object = None               # the check against the reference that judged them (an AgainstResult)
+    after_ties: int = 0                  # tokens compared in requests after their first near tie or difference
+    same_platform: bool = True           # the recording's platform (engine/platform.py)
     platform_note: str = ""
     cut: Cut | None = None
 
@@ -63,7 +71,7 @@ def load_recorded_model(trace: TraceFile, model: str | None, device: str):
                          f"({header['checkpoint_digest'][:12]}…); pass --model with the recorded checkpoint.")
     if header.get("dtype") == "float32":
         weights.to_fp32()
-    if device == "cpu" and header.get("intra_op_threads"):
+    if header.get("intra_op_threads"):  # the CPU kernels' bits depend on it, also beside a GPU
         torch.set_num_threads(header["intra_op_threads"])
     if not (header.get("engine") or {}).get("num_kv_blocks"):
         raise TraceError("the trace's header has no engine configuration (num_kv_blocks), so its steps cannot "
@@ -72,22 +80,41 @@ def load_recorded_model(trace: TraceFile, model: str | None, device: str):
 
 
 def platform_note(trace: TraceFile, weights) -> str:
-    """Empty on the recording's device and torch version; else a sentence saying bits may differ."""
-    import torch
+    """Empty on the recording's platform (engine/platform.py: device, CPU and its instruction-set paths,
+    versions, threads); else one sentence naming what differs."""
+    from engine.platform import differences, platform_of
 
-    from engine.model_runner import device_name
-
-    header, here = trace.header, device_name(weights.head.weight.device)
-    if here == header.get("device") and header.get("torch") == torch.__version__:
+    header = trace.header
+    differ = differences(header.get("platform"), platform_of(weights.head.weight.device))
+    if not differ:
         return ""
-    return (f"recorded on {header.get('device')} with torch {header.get('torch')}, re-executed on {here} with "
-            f"torch {torch.__version__}: bits may differ, so a token that differs at a near tie is not a mismatch")
+    return (f"another platform than the recording's ({'; '.join(differ)}): bits may differ, so a token that "
+            f"differs at a near tie is named as one, not a mismatch")
 
 
 def recorded_tokens(trace: TraceFile) -> dict[tuple[int, int, int], tuple[int, int]]:
     """(step, seq_id, epoch) -> (position, token_id) of every sampled token, stale ones included."""
     return {(e.fields[1], e.fields[2], e.fields[3]): (e.fields[4], e.fields[5])
             for e in trace.events() if e.kind == "token"}
+
+
+def request_tokens(trace: TraceFile) -> dict[int, list[int]]:
+    """Each request's prompt followed by the tokens the engine appended, in position order."""
+    prompts, outputs = {}, {}
+    for e in trace.events():
+        if e.kind == "request_added":
+            prompts[e.seq_id] = list(e.prompt_token_ids)
+        elif e.kind == "token" and e.appended:
+            outputs.setdefault(e.seq_id, {})[e.position] = e.token_id
+    seqs = {}
+    for s, prompt in prompts.items():
+        out = outputs.get(s, {})
+        expected = list(range(len(prompt), len(prompt) + len(out)))
+        if sorted(out) != expected:
+            raise TraceError(f"request {s}'s appended tokens are not at consecutive positions after its prompt, "
+                             f"so its token list cannot be rebuilt.")
+        seqs[s] = prompt + [out[p] for p in expected]
+    return seqs
 
 
 def recorded_batches(trace: TraceFile, until: int | None = None):
@@ -122,45 +149,83 @@ def check_tokens(trace: TraceFile, model: str | None = None, device: str = "cpu"
 
     weights = load_recorded_model(trace, model, device)
     engine = trace.header["engine"]
-    recorded = recorded_tokens(trace)
     batches = list(recorded_batches(trace, step if step is not None else until))
     if step is not None and not any(b.step == step for b in batches):
         raise TraceError(f"the trace has no step {step}.")
     note = platform_note(trace, weights)
     result = ExecuteResult(cut=trace.cut, same_platform=not note, platform_note=note)
+    tokens = _Tokens(trace, weights, result)
     runner = ModelRunner(weights, engine["num_kv_blocks"], engine["num_state_slots"],
                          batch_invariant=engine.get("batch_invariant", False))  # recorded in the mode: replay in it
-    tied: set[int] = set()  # requests past a near tie (other platforms only)
     try:
         for i, batch in enumerate(batches):
             if on_step:
                 on_step(i, len(batches))
             if not batch.rows:
                 continue
-            tokens = runner.execute(batch).wait()
+            got = runner.execute(tokens.feed(batch)).wait()
             result.steps += 1
-            if step is not None and batch.step != step:
-                continue
-            for b, (row, got) in enumerate(zip(batch.rows, tokens)):
-                want = recorded.get((batch.step, row.seq_id, row.epoch)) if row.sample else None
-                if want is None or row.seq_id in tied:
-                    continue  # a step the recording never processed (a log cut short)
-                result.tokens += 1
-                if want[1] == got:
-                    continue
-                m = TokenMismatch(batch.step, row.seq_id, want[0], want[1], got,
-                                  margin(runner.last_logits[b], row, got, want[1]))
-                if note and m.margin <= _tolerance(weights):
-                    result.near_ties.append(m)
-                    tied.add(row.seq_id)
-                    continue
-                result.mismatch = m
-                return result
+            if step is None or batch.step == step:
+                tokens.compare(batch, got, runner.last_logits)
+            if result.mismatch is not None:
+                break
     finally:
         runner.shutdown()
+    if result.platform_differences:
+        _judge_by_the_reference(trace, model, device, batches[-1].step, result)
     return result
 
 
-def _tolerance(weights) -> float:
-    from model.compare import tolerance
-    return tolerance(weights)
+def _judge_by_the_reference(trace: TraceFile, model: str | None, device: str, until: int, result: ExecuteResult):
+    """Another platform's tokens that differ beyond a near tie: a platform difference where this platform's
+    engine agrees with the reference over those requests, else the first of them is the mismatch."""
+    from tracing.divergence import check_against_reference
+
+    against = result.against = check_against_reference(trace, model, device, until,
+                                                       seq_ids={m.seq_id for m in result.platform_differences})
+    d = against.divergence
+    if d is None:
+        return
+    first = next((m for m in result.platform_differences if m.seq_id == d.seq_id), result.platform_differences[0])
+    first.note = f"checked against the reference, this platform's engine diverges: {d}" + (
+        f"; first module: {d.module}" if d.module else "")
+    result.mismatch = first
+    result.platform_differences.remove(first)
+
+
+class _Tokens:
+    """The recorded tokens, compared with the re-executed ones by the rule of the module docstring."""
+
+    def __init__(self, trace: TraceFile, weights, result: ExecuteResult):
+        from model.compare import tolerance
+
+        self.result, self.tol = result, tolerance(weights)
+        self.recorded = recorded_tokens(trace)
+        self.by_position = {(s, epoch, pos): token for (_, s, epoch), (pos, token) in self.recorded.items()}
+        self.tied: set[int] = set()  # requests past a near tie or a platform difference: recorded inputs from then on
+
+    def feed(self, batch):
+        """The batch, with the recorded token as the in-flight input of every row of a request past a tie."""
+        rows = [replace(r, token_ids=[self.by_position.get((r.seq_id, r.epoch, r.start))])
+                if r.seq_id in self.tied and r.token_ids[0] is None else r for r in batch.rows]
+        return replace(batch, rows=rows)
+
+    def compare(self, batch, got: list, logits) -> None:
+        result = self.result
+        for b, (row, token) in enumerate(zip(batch.rows, got)):
+            want = self.recorded.get((batch.step, row.seq_id, row.epoch)) if row.sample else None
+            if want is None:
+                continue  # a step the recording never processed (a log cut short)
+            result.tokens += 1
+            result.after_ties += row.seq_id in self.tied
+            if want[1] == token:
+                continue
+            m = TokenMismatch(batch.step, row.seq_id, want[0], want[1], token, margin(logits[b], row, token, want[1]))
+            if result.same_platform:
+                result.mismatch = m
+                return
+            if m.margin <= 2 * self.tol:  # each logit may move by the tolerance
+                result.near_ties.append(m)
+            else:  # judged by the reference at the end (_judge_by_the_reference)
+                result.platform_differences.append(m)
+            self.tied.add(row.seq_id)

@@ -81,15 +81,32 @@ def _tokens(a, trace) -> int:
         console.print(f"[yellow]{r.platform_note}[/]", soft_wrap=True)
     if r.cut:
         console.print(f"[yellow]{r.cut}: re-executed what it holds[/]", soft_wrap=True)
-    for tie in r.near_ties:
-        console.print(f"near tie (not a mismatch): {tie}; that request is compared no further", soft_wrap=True)
+    for what, items in (("near tie", r.near_ties), ("platform difference", r.platform_differences)):
+        for item in items[:5]:
+            console.print(f"{what} (not a mismatch): {item}", soft_wrap=True)
+        if len(items) > 5:
+            console.print(f"… and {len(items) - 5} more {what}s", soft_wrap=True)
+    if r.against is not None and r.mismatch is None:
+        console.print(f"the {len({d.seq_id for d in r.platform_differences})} requests with tokens beyond a near tie, "
+                      f"checked against the reference ({r.against.rows:,} positions, {r.against.tokens:,} tokens): no "
+                      "divergence, so this platform's engine agrees with the reference and the recording platform "
+                      "computed other bits", soft_wrap=True)
     if r.mismatch:
         print(f"mismatch: {r.mismatch}")
         return 1
     what = f"step {a.step}" if a.step is not None else f"{r.steps} steps"
-    console.print(f"[green]{what} re-executed, {r.tokens:,} sampled tokens identical; {replay.digests} step "
-                  f"digests and {replay.rows:,} scheduled rows identical in a scheduler replay[/]")
+    differ = len(r.near_ties) + len(r.platform_differences)
+    same = (f"{r.tokens:,} sampled tokens compared, {r.tokens - differ:,} identical, {len(r.near_ties)} near "
+            f"{_plural(len(r.near_ties), 'tie')} and {len(r.platform_differences)} platform "
+            f"{_plural(len(r.platform_differences), 'difference')} ({r.after_ties:,} tokens compared after them, "
+            "the recorded tokens fed)") if differ else f"{r.tokens:,} sampled tokens identical"
+    console.print(f"[green]{what} re-executed, {same}; {replay.digests} step digests and {replay.rows:,} scheduled "
+                  "rows identical in a scheduler replay[/]", soft_wrap=True)
     return 0
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else word + "s"
 
 
 def _against(a, trace) -> int:
@@ -103,12 +120,13 @@ def _against(a, trace) -> int:
         console.print(f"[yellow]{r.platform_note}[/]", soft_wrap=True)
     d = r.divergence
     rows = [("steps re-executed", f"{r.steps}"),
-            ("rows compared", f"{r.rows:,} (logits within {r.tolerance}: max diff {r.max_diff:.3g})"),
+            ("rows compared", f"{r.rows:,} (logits within {r.tolerance}: max diff {r.max_diff:.3g}; {r.after_ties:,} "
+                              "after their request's first near tie)"),
             ("tokens compared", f"{r.tokens:,}"),
-            ("near ties", f"{len(r.near_ties)}" + "".join(f"\nstep {s}, request {q}: {t}" for s, q, t in r.near_ties[:8])
-             + ("\n…" if len(r.near_ties) > 8 else "")),
+            ("near ties", _listed(r.near_ties)),
+            ("platform differences", _listed(r.platform_differences)),
             ("shape noise", f"{r.noise:,} positions over the tolerance (max {r.noise_max:.3g}) where, with teacher-forced "
-                            "inputs, no module differs" if r.noise else "none"),
+                            "inputs, no module differs" + _listed(r.noise_notes, count=False) if r.noise else "none"),
             ("log", _log(r.cut))]
     if d:
         rows += [("[red]divergence[/]", str(d)),
@@ -119,6 +137,12 @@ def _against(a, trace) -> int:
     if d:
         print(f"divergence: {d}" + (f"; first module: {d.module}" if d.module else ""))
     return 1 if d else 0
+
+
+def _listed(items, count: bool = True, most: int = 8) -> str:
+    """'N' (or nothing) and the first `most` of (step, request, what) items, one a line."""
+    lines = "".join(f"\nstep {s}, request {q}: {what}" for s, q, what in items[:most])
+    return (f"{len(items)}" if count else "") + lines + ("\n…" if len(items) > most else "")
 
 
 def diff(a) -> int:

@@ -447,6 +447,8 @@ def _info(a) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from engine.platform import describe
+
     from tracing.ranks import open_run
 
     run = open_run(a.trace)
@@ -456,6 +458,7 @@ def _info(a) -> int:
     t.add_column(style="bold")
     t.add_column()
     rows = [("device", h.get("device")),
+            ("platform", describe(h.get("platform"))),
             ("versions", f"schema {h.get('schema_version')}, torch {h.get('torch')}, triton {h.get('triton')}"),
             ("model", f"vocab {m.get('vocab_size')}, dim {m.get('dim')}, {m.get('n_layers')} layers, "
                       f"max_seq_len {m.get('max_seq_len')}, {h.get('dtype')}"),
@@ -498,14 +501,14 @@ def _verify(a) -> int:
     from tracing.ranks import open_run
 
     run = open_run(a.trace)  # one log, or every rank's log of a run and what ties them together
-    findings = verify_run(run)
-    for f in findings:
+    violations = [f for f in verify_run(run) if f.violation]  # a log cut short is a note, not a finding
+    for f in violations:
         print(f)
     for rank in run.selected:
         if run.traces[rank].cut:
             print(f"note: {'' if run.world_size == 1 else f'rank {rank}: '}{run.traces[rank].cut}")
-    print(f"{len(findings)} finding(s)" if findings else "no findings")
-    return 1 if findings else 0
+    print(f"{len(violations)} finding{'' if len(violations) == 1 else 's'}" if violations else "no findings")
+    return 1 if violations else 0
 
 
 def main(argv: list[str] | None = None) -> int:
