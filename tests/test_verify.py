@@ -2,9 +2,11 @@
 
 Real traces are recorded with the engine on the `micro` preset: a tiny KV pool that forces a preemption (ZOS on
 and off), and a run that cancels a request in each state (partly prefilled, preempted and waiting, running,
-finished). Each verifies with no finding. Then the logs are edited (msgpack decoded, events changed, the stream
-re-encoded with a fresh footer and trailer, or without them) to plant one violation each, and the verifier must
-report it first, at the right step and request. A log cut short is verified up to the cut and says so.
+finished), and a run that requeues a preempted request ahead of a partly prefilled one. Each verifies with no
+finding, as does every committed example trace. Then the logs are edited (msgpack decoded, events changed, the
+stream re-encoded with a fresh footer and trailer, or without them) to plant one violation each, and the verifier
+must report it first, at the right step and request. A log cut short is verified up to the cut and says so, and
+`mdi-trace verify` exits 0 on it.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import pytest
 
 from tracing import Recorder
 from tracing.reader import open_trace
-from tracing.schema import EVENTS, KIND, ROW_FIELDS, TRAILER_TAG
-from tracing.verify import Finding, verify
+from tracing.schema import BATCH_KINDS, EVENTS, KIND, PHASES, ROW_FIELDS, TRAILER_TAG
+from tracing.ranks import open_run
+from tracing.verify import Finding, verify, verify_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,6 +78,25 @@ def record_cancellation(checkpoint: Path, path: Path) -> Path:
     return path
 
 
+def record_requeue(checkpoint: Path, path: Path, enable_zos: bool = False) -> Path:
+    """The preemption workload plus a 200-token prompt (temperature 1) added at step 6: it is partly prefilled,
+    at the head of the waiting queue, when decode needs its block (preempted in place, it keeps its place); then
+    request 0 is preempted too and requeued at the head, ahead of it."""
+    from engine import SamplingParams
+    engine = make_llm(checkpoint, path, enable_zos).engine
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(prompt(i, 120), greedy)
+    for k in range(200):
+        if k == 6:
+            engine.add_request(prompt(3, 200), SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    engine.shutdown()
+    return path
+
+
 @pytest.fixture(scope="module")
 def preempted(checkpoint, tmp_path_factory) -> Path:
     return record_preemption(checkpoint, tmp_path_factory.mktemp("logs") / "preempted.mdt")
@@ -83,6 +105,11 @@ def preempted(checkpoint, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cancelled(checkpoint, tmp_path_factory) -> Path:
     return record_cancellation(checkpoint, tmp_path_factory.mktemp("logs") / "cancelled.mdt")
+
+
+@pytest.fixture(scope="module")
+def requeued(checkpoint, tmp_path_factory) -> Path:
+    return record_requeue(checkpoint, tmp_path_factory.mktemp("logs") / "requeued.mdt")
 
 
 # ---- editing a log -----------------------------------------------------------------------------------
@@ -147,11 +174,28 @@ def find(events: list[list], event: str, start: int = 0, **match) -> int:
                 and all(field(events[i], k) == v for k, v in match.items()))
 
 
+def schedule_rows(events: list[list], i: int) -> list[int]:
+    """The requests of the schedule event at i, in row order."""
+    return [row_field(r, "seq_id") for r in field(events[i], "rows")]
+
+
+def find_row(events: list[list], kind: str, start: int = 0, **match) -> tuple[int, int]:
+    """(event index, row index) of the first row of a `kind` step from `start` whose fields equal `match`."""
+    return next((i, j) for i in range(start, len(events)) if events[i][0] == KIND["schedule"]
+                and BATCH_KINDS[field(events[i], "kind")] == kind
+                for j, r in enumerate(field(events[i], "rows")) if all(row_field(r, k) == v for k, v in match.items()))
+
+
 def step_of(events: list[list], i: int) -> int:
     """The step a finding at event i names: the event's own step, else the step being scheduled."""
     if "step" in EVENTS[events[i][0]][1]:
         return field(events[i], "step")
     return sum(1 for e in events[:i] if e[0] == KIND["schedule"])
+
+
+def seq_of(e: list) -> int | None:
+    """The request a finding at event e names: the event's own seq_id, else None."""
+    return field(e, "seq_id") if "seq_id" in EVENTS[e[0]][1] else None
 
 
 def first(findings: list[Finding]) -> Finding:
@@ -180,6 +224,26 @@ def test_a_run_with_cancellations_in_every_state_verifies_clean(cancelled):
     _, events = read_log(cancelled)
     assert sum(e[0] == KIND["cancel"] for e in events) == 3  # the finished request's cancel is a no-op
     assert verify(open_trace(cancelled)) == []
+
+
+def test_a_run_that_requeues_a_preempted_request_at_the_head_verifies_clean(requeued, checkpoint, tmp_path):
+    """FCFS with preemption, chunked prefill and a seeded request, ZOS off and on: request 3 (partly prefilled)
+    is preempted in place, then request 0 to the head of the waiting queue, and 0's recomputation is admitted
+    first."""
+    zos_on = record_requeue(checkpoint, tmp_path / "zos_on.mdt", enable_zos=True)
+    for path in (requeued, zos_on):
+        _, events = read_log(path)
+        p = next(i for i, e in enumerate(events) if e[0] == KIND["schedule"] and field(e, "preempted"))
+        assert field(events[p], "preempted") == [3, 0]
+        assert schedule_rows(events, find(events, "schedule", p + 1, kind=0))[0] == 0
+        assert verify(open_trace(path)) == []
+
+
+@pytest.mark.parametrize("name", sorted({p.name.split(".rank")[0].removesuffix(".mdt") + ".mdt"
+                                         for p in (ROOT / "traces" / "examples").glob("*.mdt")}))
+def test_the_committed_example_traces_verify_clean(name):
+    """The example traces (recorded on CPU and on an H200, one with 14 preemptions, one of two ranks)."""
+    assert [str(f) for f in verify_run(open_run(str(ROOT / "traces" / "examples" / name)))] == []
 
 
 def test_rewriting_a_log_unchanged_gives_the_same_bytes(preempted, tmp_path):
@@ -281,6 +345,101 @@ def test_an_illegal_decode_row_is_found(preempted, tmp_path, how):
                                 "a decode row whose input token is 5, expected None")
 
 
+@pytest.mark.parametrize("how", ["seed", "temperature", "recomputed output position", "in-flight output position"])
+def test_a_row_with_the_wrong_sampling_key_is_found(preempted, tmp_path, how):
+    """Promise 3 keys the sampler by the request's seed and the output position: every row carries the request's
+    seed and temperature, and output_position = the output tokens appended plus those in flight, also in a
+    prefill chunk that does not sample (the recomputation after a preemption continues the count)."""
+    _, events = read_log(preempted)
+    if how == "recomputed output position":  # the recomputation's first chunk: 8 tokens appended, none in flight
+        p = find(events, "preempt")
+        i, j = find_row(events, "prefill", p, seq_id=field(events[p], "seq_id"))
+    else:
+        i, j = find_row(events, "decode", token_ids=[None])  # its input token is in flight
+    row = field(events[i], "rows")[j]
+    s, n, kind = row_field(row, "seq_id"), row_field(row, "output_position"), BATCH_KINDS[field(events[i], "kind")]
+    key, value, message = {
+        "seed": ("seed", 12345, f"a {kind} row with seed 12345 and temperature"),
+        "temperature": ("temperature", 0.5, f"a {kind} row with seed {row_field(row, 'seed')} and temperature 0.5"),
+        "recomputed output position": ("output_position", 0, f"a prefill row at output position 0, the request has "
+                                                             f"{n} output tokens ({n} appended, 0 in flight)"),
+        "in-flight output position": ("output_position", n - 1, f"a decode row at output position {n - 1}, the "
+                                                                f"request has {n} output tokens ({n - 1} appended, "
+                                                                f"1 in flight)")}[how]
+
+    def edit(ev):
+        field(ev[i], "rows")[j][ROW_FIELDS.index(key)] = value
+
+    findings = plant(preempted, tmp_path / "key.mdt", edit)
+    f = first(findings)
+    assert len(findings) == 1 and (f.step, f.seq_id) == (field(events[i], "step"), s)
+    assert f.message.startswith(message), f.message
+
+
+@pytest.mark.parametrize("how", ["rows swapped", "preempted request behind", "decode row for a waiting request"])
+def test_an_admission_out_of_fcfs_order_is_found(preempted, requeued, tmp_path, how):
+    """Prefill admits the head of the waiting queue in its order, and a request preempted while running is
+    requeued at the head: swap the two rows of a prefill step (two prompts in arrival order, or request 0's
+    recomputation and request 3 behind it), or feed a waiting prompt's last chunk as a decode row."""
+    log = requeued if how == "preempted request behind" else preempted
+    _, events = read_log(log)
+    if how == "decode row for a waiting request":  # the recomputation's last chunk: one row, the prompt's end
+        i, _ = find_row(events, "prefill", find(events, "preempt"), sample=True)
+        rows = schedule_rows(events, i)
+        edit = lambda ev: set_field(ev[i], "kind", BATCH_KINDS.index("decode"))  # noqa: E731
+        message = f"a decode row for a request in the waiting queue [{rows[0]}]"
+    else:  # a prefill step of two rows: requests 0 and 1 in arrival order, or 0 (requeued at the head) and 3
+        rows = [0, 1] if how == "rows swapped" else [0, 3]
+        i = next(i for i, e in enumerate(events) if e[0] == KIND["schedule"] and schedule_rows(events, i) == rows)
+        edit = lambda ev: field(ev[i], "rows").reverse()  # noqa: E731
+        message = f"a prefill row out of FCFS order: request 0 is ahead of it in the waiting queue [0, {rows[1]}"
+    f = first(plant(log, tmp_path / "fcfs.mdt", edit))
+    assert (f.step, f.seq_id) == (field(events[i], "step"), rows[-1])
+    assert f.message.startswith(message), f.message
+
+
+@pytest.mark.parametrize("how", ["event t", "span reversed", "CPU spans overlap", "device spans overlap",
+                                 "device step order"])
+def test_time_running_backwards_is_found(preempted, tmp_path, how):
+    """The host writes events in the order it reads its clock: each `t`, and each CPU span's end, at or after the
+    last one; a span ends after it starts; CPU phases and device steps each run one at a time, without overlap,
+    the device's in step order."""
+    _, events = read_log(preempted)
+    start, end = (lambda i: field(events[i], "start")), (lambda i: field(events[i], "end"))
+
+    def overlap(i: int, lane: str) -> tuple[dict, str]:  # start where the lane's previous span starts
+        before = max(k for k in range(i) if events[k][0] == events[i][0])
+        return {"start": start(before)}, (f"a {lane} span starts at {start(before)}, before the lane's previous "
+                                          f"span ends at {end(before)}")
+
+    second_device_span = find(events, "device_span", find(events, "device_span") + 1)
+    if how == "event t":
+        i = find(events, "preempt")
+        changes, message = {"t": 0}, "a preempt event written at t=0, before t="
+    elif how == "span reversed":  # an execute span: its start is the host's last reading before its end
+        i = find(events, "cpu_span", phase=PHASES.index("execute"))
+        changes = {"start": end(i), "end": start(i)}
+        message = f"a CPU execute span ends at {start(i)}, before it starts at {end(i)}"
+    elif how == "CPU spans overlap":
+        i = find(events, "cpu_span", phase=PHASES.index("process"))
+        changes, message = overlap(i, "CPU process")
+    elif how == "device spans overlap":
+        i = second_device_span
+        changes, message = overlap(i, "device")
+    else:  # the second step's device span claims the first's step
+        i = second_device_span
+        changes, message = {"step": 0}, "a device span of step 0 after one of step 0: the device runs each step once"
+
+    def edit(ev):
+        for name, value in changes.items():
+            set_field(ev[i], name, value)
+
+    findings = plant(preempted, tmp_path / "time.mdt", edit)
+    f = first(findings)
+    assert len(findings) == 1 and (f.step, f.seq_id) == (changes.get("step", step_of(events, i)), seq_of(events[i]))
+    assert f.message.startswith(message), f.message
+
+
 def test_a_resource_never_freed_at_the_end_is_found(preempted, tmp_path):
     """A clean log ends with everything free and every request finished: drop the last request's frees and
     finish (and the digest computed after them)."""
@@ -336,6 +495,20 @@ def test_a_violation_before_the_cut_is_still_found(preempted, tmp_path):
     findings = plant(preempted, tmp_path / "cut.mdt", drop_slot_free_and_cut, footer=False)
     assert [f.violation for f in findings] == [True, False]
     assert findings[0].message.startswith("still owns slot")
+
+
+def test_verify_exits_0_on_a_cut_log_and_1_on_a_violation_before_the_cut(preempted, tmp_path, capsys):
+    """A log cut short is a note, not a finding: `mdi-trace verify` says so and exits 0, unless what the log
+    holds breaks a rule."""
+    from tui.cli import main
+    header, events = read_log(preempted)
+    p = find(events, "preempt")
+    cut = write_log(tmp_path / "cut.mdt", header, events[:p + 5], footer=False)
+    assert main(["verify", str(cut)]) == 0
+    assert "cut short" in capsys.readouterr().out
+    broken = write_log(tmp_path / "broken.mdt", header, events[:p - 1] + events[p:p + 5], footer=False)
+    assert main(["verify", str(broken)]) == 1
+    assert "still owns slot" in capsys.readouterr().out
 
 
 def test_verify_imports_neither_torch_nor_the_model():

@@ -10,7 +10,8 @@ which checks the same rules on live MemoryTracer events. Imports neither torch n
 
 The events are replayed in order, rebuilding per request what the engine held: prompt and appended tokens,
 epoch, KV blocks (in block-table order), state slot, positions computed since the last preemption, and the
-reservations whose token has not come back. Each event is checked against that state:
+reservations whose token has not come back; and the scheduler's waiting queue. Each event is checked against
+that state:
 
 1. a KV block or state slot has one owner at a time, and only its owner frees it;
 2. preemption, finish and cancellation release blocks and slot together: after a `preempt` or `finish` the
@@ -23,13 +24,25 @@ reservations whose token has not come back. Each event is checked against that s
 5. rows are legal: a decode row starts at get_len() - 1 (tokens + reservations in flight of the current epoch,
    minus 1) with that many positions computed, and its input token is None exactly when a token is in flight;
    a prefill chunk continues where the last one stopped and feeds the request's own tokens; every row carries
-   the current epoch, the owned block table and slot, and samples exactly when it reaches get_len();
+   the current epoch, the owned block table and slot, and samples exactly when it reaches get_len(); and every
+   row, sampled or not, carries its request's seed and temperature (from `request_added`) and output_position
+   get_len() - prompt length, the output tokens appended or in flight (`Scheduler._reserve`);
 6. a clean log (with a footer) ends with every resource free, every request finished, every reservation
    answered, and a footer that counts the events it follows;
-7. each `step_digest` equals the digest of the rebuilt tables (`LLMEngine.digest`).
+7. each `step_digest` equals the digest of the rebuilt tables (`LLMEngine.digest`);
+8. prefill admits FCFS: a prefill step's rows are the first requests of the waiting queue, in its order, and
+   a decode step's rows are running requests. The queue is rebuilt as `Scheduler` keeps it: `request_added`
+   appends; a prompt stays in it, at its place, while partly prefilled (also when preempted in place) and
+   leaves it with its last chunk; a running request preempted goes to its head; a finish removes it;
+9. time runs forward: the host's readings (every event's `t`, and a CPU span's end, read just before the span
+   is written) never decrease in log order; a span ends at or after it starts; the CPU spans (one host
+   thread, one phase at a time) and the device spans (one device, steps in FIFO order) each follow one
+   another without overlap, the device's in step order. A CPU span is written after later events (the
+   schedule span after the step's schedule events), so its start is compared only with earlier spans.
 
 A log cut short is checked up to its last complete event; the result then holds one note (a Finding with
-`violation=False`) that says so, and no end-of-run findings.
+`violation=False`) that says so, and no end-of-run findings: `mdi-trace verify` exits 0 unless a finding is
+a violation.
 
 A run of several ranks (tracing/ranks.py) is checked by `verify_run`: every rank's log as above (each rank
 runs its own scheduler, so each proves its own promises), plus what ties the ranks together: request ids
@@ -48,12 +61,13 @@ from dataclasses import dataclass, field
 
 from engine.scheduler import tables_digest
 from tracing.reader import Event, TraceFile
-from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, ROW_FIELDS
+from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, PHASES, ROW_FIELDS
 
 Row = namedtuple("Row", ROW_FIELDS)
 SHARED_HEADER = ("checkpoint_digest", "model", "model_source", "dtype", "engine", "seed", "torch", "intra_op_threads")
 RELEASE_EVENTS = ("epoch_bump", "block_free", "slot_free", "finish")  # what may follow a cancel (Scheduler.abort)
 BUMP_REASON = {"preempt": "preempt", "cancel": "abort"}              # the event before an epoch bump -> its reason
+NO_TIME = float("-inf")                                              # before the first clock reading
 
 
 @dataclass(slots=True)
@@ -79,6 +93,8 @@ class _Request:
     """What the log says the engine holds for one request."""
     tokens: list[int]                 # prompt and appended tokens: len(seq.token_ids)
     prompt_len: int
+    seed: int
+    temperature: float
     epoch: int = 0
     blocks: list[int] = field(default_factory=list)
     slot: int | None = None
@@ -141,6 +157,10 @@ class _Verifier:
         self.event: Event | None = None
         self.counts: Counter[str] = Counter()
         self.step_offsets: list[list[int]] = []
+        self.waiting: list[int] = []           # the scheduler's waiting queue, head first
+        self.host_time = NO_TIME               # the host's last clock reading: an event's t or a CPU span's end
+        self.cpu_end = NO_TIME                 # where the last CPU span ends
+        self.device_last = (-1, NO_TIME)       # the last device span's step and end
         self.findings: list[Finding] = []
 
     def fail(self, seq_id: int | None, message: str) -> None:
@@ -153,6 +173,8 @@ class _Verifier:
         self.counts[event.kind] += 1
         try:
             self._check_order(event.kind, _seq_field(event))
+            if "t" in EVENTS[KIND[event.kind]][1]:
+                self._host_clock(event.t, f"a {event.kind} event written at t={event.t}")
             handler = getattr(self, "on_" + event.kind, None)
             if handler is not None:
                 handler(*event.fields)
@@ -184,13 +206,14 @@ class _Verifier:
         return req
 
     # ---- requests and resources -----------------------------------------------------------------------
-    def on_request_added(self, t, s, prompt_token_ids, *params) -> None:
+    def on_request_added(self, t, s, prompt_token_ids, temperature, seed, *params) -> None:
         if s in self.reqs:
             self.fail(s, "request added twice")
         if s % self.world_size != self.rank:
             self.fail(s, f"request {s} added on rank {self.rank} of {self.world_size}, whose request ids are "
                          f"{self.rank} mod {self.world_size}")
-        self.reqs[s] = _Request(list(prompt_token_ids), len(prompt_token_ids))
+        self.reqs[s] = _Request(list(prompt_token_ids), len(prompt_token_ids), seed, temperature)
+        self.waiting.append(s)
 
     # A resource given to a second owner stays with the first in `block_owner`/`slot_owner` and enters the
     # second's table too (as in the log): one finding, not one per later row.
@@ -260,6 +283,8 @@ class _Verifier:
         if req is not None:
             self.owns_nothing(s, req, "preemption")
             req.cached = 0
+            if s not in self.waiting:  # a running request is requeued at the head; a partly prefilled
+                self.waiting.insert(0, s)  # prompt keeps its place
         self.preempted.append(s)
         self.freeing = None
 
@@ -289,6 +314,8 @@ class _Verifier:
         if req is not None:
             self.owns_nothing(s, req, f"finish ({name})")
             req.finish = name
+        if s in self.waiting:  # cancelled while waiting
+            self.waiting.remove(s)
         self.cancelling = None if self.cancelling == s else self.cancelling
         self.freeing = None
 
@@ -310,12 +337,14 @@ class _Verifier:
         if sorted(preempted) != sorted(self.preempted):
             self.fail(None, f"the batch lists preempted requests {sorted(preempted)}, the events preempted "
                             f"{sorted(self.preempted)}")
+        kind, rows = BATCH_KINDS[kind], [Row(*r) for r in rows]
+        self.check_admission(kind, rows)
         seen: set[int] = set()
-        for row in map(lambda r: Row(*r), rows):
+        for row in rows:
             if row.seq_id in seen or row.seq_id in preempted:
                 self.fail(row.seq_id, "the request is in the batch twice, or both preempted and scheduled")
             seen.add(row.seq_id)
-            self.check_row(BATCH_KINDS[kind], row)
+            self.check_row(kind, row)
         for s in self.reservations.keys() - seen:  # a row dropped because its request was preempted later
             if s not in preempted:                  # in the same step: the reservation is void
                 self.fail(s, "a reservation without a sampled row")
@@ -323,44 +352,91 @@ class _Verifier:
                 self.reqs[s].reserved.pop(self.step, None)
         self.step, self.preempted, self.reservations = self.step + 1, [], {}
 
+    def check_admission(self, kind: str, rows: list[Row]) -> None:
+        """FCFS (`Scheduler._schedule_prefill`): a prefill step feeds the head of the waiting queue in its
+        order, stopping at the first prompt that does not fit; a decode step feeds running requests only (one
+        fed while waiting is reported, then taken as running)."""
+        if kind == "decode":
+            waiting = set(self.waiting)
+            for s in [r.seq_id for r in rows if r.seq_id in waiting]:
+                self.fail(s, f"a decode row for a request in the waiting queue {self._queue()}")
+                self.waiting.remove(s)
+            return
+        for i, r in enumerate(rows):  # (a request in the batch twice is reported by on_schedule)
+            place = self.waiting.index(r.seq_id) if r.seq_id in self.waiting else None
+            if place is None or place > i:
+                self.fail(r.seq_id, f"a prefill row for a request that is not waiting (the queue is {self._queue()})"
+                          if place is None else f"a prefill row out of FCFS order: request {self.waiting[i]} is "
+                                                f"ahead of it in the waiting queue {self._queue()}")
+                return
+
+    def _queue(self, shown: int = 8) -> str:
+        return str(self.waiting[:shown])[:-1] + (", ...]" if len(self.waiting) > shown else "]")
+
     def check_row(self, kind: str, r: Row) -> None:
-        """One finding per row at most; the rebuilt state then follows the row (its computed positions)."""
-        s, req = r.seq_id, self.live(r.seq_id)
+        """One finding per row at most; the rebuilt state then follows the row (its computed positions), and
+        a prompt whose last chunk it is leaves the waiting queue for running."""
+        req = self.live(r.seq_id)
         if req is None:
             return
-        found = len(self.findings)
         inflight = req.inflight(self.step)
-        get_len, end = len(req.tokens) + inflight, r.start + len(r.token_ids)
-        if r.epoch != req.epoch:
-            self.fail(s, f"a {kind} row at epoch {r.epoch}, the request is at epoch {req.epoch}")
-        if list(r.block_table) != req.blocks or r.state_slot != req.slot:
-            self.fail(s, f"a {kind} row uses blocks {list(r.block_table)} and slot {r.state_slot}, the request "
-                         f"owns blocks {req.blocks} and slot {req.slot}")
-        if kind == "decode":
-            self.check_decode(s, req, r, inflight)
-        elif r.start != req.cached:
-            self.fail(s, f"a prefill chunk starts at position {r.start}, {req.cached} are computed")
-        elif inflight or end > len(req.tokens) or list(r.token_ids) != req.tokens[r.start:end]:
-            self.fail(s, f"a prefill chunk [{r.start}, {end}) does not feed the request's own tokens")
-        if len(self.findings) == found and r.sample != (end == get_len):
-            self.fail(s, f"a {kind} row ending at {end} with sample={r.sample}, get_len() is {get_len}")
-        if len(self.findings) == found and r.sample and \
-                self.reservations.get(s) != (req.epoch, get_len - req.prompt_len):
-            self.fail(s, f"a sampled row whose reservation {self.reservations.get(s)} is not (epoch "
-                         f"{req.epoch}, output position {get_len - req.prompt_len})")
-        req.cached = end if kind == "prefill" or len(self.findings) == found else get_len
+        problem = self._row_problem(kind, req, r, inflight)
+        if problem is not None:
+            self.fail(r.seq_id, problem)
+        req.cached = r.start + len(r.token_ids) if kind == "prefill" or problem is None else \
+            len(req.tokens) + inflight
+        if kind == "prefill" and req.cached >= len(req.tokens) and r.seq_id in self.waiting:
+            self.waiting.remove(r.seq_id)
 
-    def check_decode(self, s: int, req: _Request, r: Row, inflight: int) -> None:
+    def _row_problem(self, kind: str, req: _Request, r: Row, inflight: int) -> str | None:
+        """What is wrong with a row, the first thing found, or None (`Scheduler._reserve` makes rows)."""
+        get_len, end = len(req.tokens) + inflight, r.start + len(r.token_ids)
+        output_position = get_len - req.prompt_len  # the output tokens appended or in flight
+        if r.epoch != req.epoch:
+            return f"a {kind} row at epoch {r.epoch}, the request is at epoch {req.epoch}"
+        if list(r.block_table) != req.blocks or r.state_slot != req.slot:
+            return (f"a {kind} row uses blocks {list(r.block_table)} and slot {r.state_slot}, the request owns "
+                    f"blocks {req.blocks} and slot {req.slot}")
+        check = self._decode_problem if kind == "decode" else self._prefill_problem
+        problem = check(req, r, inflight)
+        if problem is not None:
+            return problem
+        if r.sample != (end == get_len):
+            return f"a {kind} row ending at {end} with sample={r.sample}, get_len() is {get_len}"
+        if (r.seed, r.temperature) != (req.seed, req.temperature):
+            return (f"a {kind} row with seed {r.seed} and temperature {r.temperature}, the request's are "
+                    f"{req.seed} and {req.temperature}")
+        if r.output_position != output_position:
+            return (f"a {kind} row at output position {r.output_position}, the request has {output_position} "
+                    f"output tokens ({len(req.tokens) - req.prompt_len} appended, {inflight} in flight)")
+        if r.sample and self.reservations.get(r.seq_id) != (req.epoch, output_position):
+            return (f"a sampled row whose reservation {self.reservations.get(r.seq_id)} is not (epoch "
+                    f"{req.epoch}, output position {output_position})")
+        return None
+
+    @staticmethod
+    def _decode_problem(req: _Request, r: Row, inflight: int) -> str | None:
         """Decode is legal only when num_cached_tokens == get_len() - 1 (ARCHITECTURE.md §3)."""
         last = len(req.tokens) + inflight - 1
         if len(r.token_ids) != 1 or r.start != last:
-            self.fail(s, f"a decode row at position {r.start} with {len(r.token_ids)} tokens, legal only at "
-                         f"get_len() - 1 = {last} ({len(req.tokens)} tokens, {inflight} in flight)")
-        elif req.cached != last:
-            self.fail(s, f"a decode row at position {r.start} with {req.cached} positions computed")
-        elif r.token_ids[0] != (None if inflight else req.tokens[-1]):
+            return (f"a decode row at position {r.start} with {len(r.token_ids)} tokens, legal only at "
+                    f"get_len() - 1 = {last} ({len(req.tokens)} tokens, {inflight} in flight)")
+        if req.cached != last:
+            return f"a decode row at position {r.start} with {req.cached} positions computed"
+        if r.token_ids[0] != (None if inflight else req.tokens[-1]):
             want = "None (a token is in flight)" if inflight else f"{req.tokens[-1]}, the last token"
-            self.fail(s, f"a decode row whose input token is {r.token_ids[0]}, expected {want}")
+            return f"a decode row whose input token is {r.token_ids[0]}, expected {want}"
+        return None
+
+    @staticmethod
+    def _prefill_problem(req: _Request, r: Row, inflight: int) -> str | None:
+        """A chunk continues where the last one stopped and feeds the request's own tokens, none in flight."""
+        end = r.start + len(r.token_ids)
+        if r.start != req.cached:
+            return f"a prefill chunk starts at position {r.start}, {req.cached} are computed"
+        if inflight or end > len(req.tokens) or list(r.token_ids) != req.tokens[r.start:end]:
+            return f"a prefill chunk [{r.start}, {end}) does not feed the request's own tokens"
+        return None
 
     # ---- processing: tokens and digests --------------------------------------------------------------
     def on_token(self, t, step, s, epoch, position, token_id, appended) -> None:
@@ -392,6 +468,37 @@ class _Verifier:
         rebuilt = tables_digest((s, r.epoch, r.slot, r.blocks) for s, r in self.reqs.items() if r.finish is None)
         if digest != rebuilt:
             self.fail(None, f"step digest {digest} recorded, the tables rebuilt from the events give {rebuilt}")
+
+    # ---- times: the host's clock, the CPU lane and the device lane -------------------------------------
+    def _host_clock(self, t: int, what: str) -> None:
+        """One host thread writes the log, reading its clock just before each event: the readings never
+        decrease in log order."""
+        if t < self.host_time:
+            self.fail(_seq_field(self.event), f"{what}, before t={self.host_time} read earlier: time runs backwards")
+        self.host_time = max(self.host_time, t)
+
+    def _span(self, lane: str, start: int, end: int, after: int) -> None:
+        """A span ends at or after it starts, and at or after the lane's previous span ends (`after`)."""
+        if end < start:
+            self.fail(None, f"a {lane} span ends at {end}, before it starts at {start}")
+        elif start < after:
+            self.fail(None, f"a {lane} span starts at {start}, before the lane's previous span ends at {after}")
+
+    def on_cpu_span(self, step, phase, start, end) -> None:
+        """The engine thread runs one phase at a time and writes each span when it ends (llm_engine.step)."""
+        self._span(f"CPU {PHASES[phase]}", start, end, self.cpu_end)
+        self._host_clock(end, f"a CPU {PHASES[phase]} span written ending at {end}")
+        self.cpu_end = max(self.cpu_end, end)
+
+    def on_device_span(self, step, start, end) -> None:
+        """One device (the CPU worker thread or one CUDA stream) runs the steps in FIFO order, and their
+        results are processed in that order."""
+        last_step, last_end = self.device_last
+        if step <= last_step:
+            self.fail(None, f"a device span of step {step} after one of step {last_step}: the device runs each step "
+                            f"once, in step order")
+        self._span("device", start, end, last_end)
+        self.device_last = (max(step, last_step), max(end, last_end))
 
     # ---- the end ----------------------------------------------------------------------------------------
     def end(self, trace: TraceFile) -> None:
