@@ -31,6 +31,7 @@ import torch
 
 from engine.scheduler import ScheduledBatch
 from kernels.sampling import sample
+from model import invariant
 from model.paged import BLOCK_SIZE, ForwardBatch, PagedModel
 from model.parallel import idle_forward
 from model.transformer import Transformer
@@ -257,9 +258,14 @@ class ModelRunner:
         device after the steps before it, so that the ranks with rows are not left waiting."""
         if self.device.type == "cuda":
             with torch.cuda.stream(self.stream):
-                idle_forward(self.model.weights)
+                self._idle_forward()
         else:
-            self.worker.submit(idle_forward, self.model.weights)
+            self.worker.submit(self._idle_forward)
+
+    def _idle_forward(self) -> None:
+        """The sharded layers run the other ranks' rows here too: in the batch-invariant mode, as they do."""
+        with invariant.mode(self.model.batch_invariant):
+            idle_forward(self.model.weights)
 
     def shutdown(self) -> None:
         if self.device.type != "cuda":
