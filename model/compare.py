@@ -18,7 +18,8 @@ import torch.nn.functional as F
 NOISE = 2 ** -6  # gap, relative to the row's largest |score|, under which two scores count as tied (~4 bf16 ulps)
 # The index scores pass through FP4 queries and keys (spec §2.5c): a value within an ulp of an FP4
 # rounding boundary moves a score by a whole FP4 step, and neighbouring e2m1 codes near the top of a
-# group (4 and 6) are a third of its amax apart. A flip is also a near tie when the two runs' own scores
+# group (4 and 6) are a third of its amax apart. A flip of entries (or of candidate blocks, ranked by their
+# best entry) is also a near tie when the two runs' own scores
 # of the swapped entries moved towards each other by more than the gap (the larger move of an entry
 # dropped plus that of an entry taken), as long as that move stays under half the row's largest score:
 # a few code flips, not a different computation. Measured: a decode row of `micro` against the reference's
@@ -145,17 +146,16 @@ def explain_choice(ref: Choices, ref_row: int, got: Choices, got_row: int, layer
         return f"row {ref_row}: the stream entering layer {layer} already differs beyond bf16 noise"
     if name == "experts":
         gap = _gap(ref.data[(layer, "expert_scores")][ref_row], args.n_activated_experts)
-    elif name == "topk":
-        scores = ref.data[(layer, "index_scores")][ref_row].float()
-        gap = _gap(scores, len(a))
-        got_scores = got.data[(layer, "index_scores")][got_row].float()
+    else:  # entries or candidate blocks, both ranked by index scores (a block by its best entry)
+        scores, got_scores = (c.data[(layer, "index_scores")][row].float()
+                              for c, row in ((ref, ref_row), (got, got_row)))
+        if name == "candidates":
+            scores, got_scores = _block_scores(args, scores), _block_scores(args, got_scores)
+        gap = _gap(scores, len(a) if name == "topk" else args.candidate_topk_blocks)
         moved = _moved(scores, got_scores, a - b) + _moved(scores, got_scores, b - a)  # the swap closed the gap
         if gap <= moved <= MAX_MOVE:
             return NearTie(layer, choice, ref_row, gap, f"{sorted(a - b)} vs {sorted(b - a)}, "
                            f"scores moved by {moved:.3g} (an FP4 rounding boundary upstream)")
-    else:
-        blocks = _block_scores(args, ref.data[(layer, "index_scores")][ref_row])
-        gap = _gap(blocks, args.candidate_topk_blocks)
     detail = f"{sorted(a - b)} vs {sorted(b - a)}"
     if gap <= NOISE:
         return NearTie(layer, choice, ref_row, gap, detail)

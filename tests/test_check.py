@@ -56,25 +56,21 @@ def test_until_stops_early(checkpoint, tmp_path):
     assert check_tokens(open_trace(trace), until=5).steps == 6
 
 
-@pytest.mark.parametrize("name,until", [("micro-preempt-cancel.mdt", None), ("micro-2rank.mdt", None),
+@pytest.mark.parametrize("name,until", [("micro-preempt-cancel.mdt", 60), ("micro-2rank.mdt", None),
                                         ("h200-tiny68m-zos.mdt", 6)])
 def test_every_example_trace_checks_clean_here(name, until):
     """On whatever CPU runs the tests (the recording's platform or another: issue #16 item 6), each committed
     trace re-executes with exit 0, near ties and platform differences named; the H200 one (another platform
-    here, by its device) up to step 6, its prefills and first decode steps, to keep CI short."""
+    here, by its device) up to step 6, its prefills and first decode steps, and the micro one up to step 60
+    (70 s on another platform), to keep CI short."""
     trace = str(EXAMPLES / name)
     for extra in ([], ["--scheduler"]):
         run = subprocess.run([sys.executable, "-m", "tui.cli", "check", trace, *extra,
                               *(["--until", str(until)] if until is not None and not extra else [])],
                              capture_output=True, text=True, cwd=ROOT)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr
-
-
-def test_the_command_on_the_example_trace(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "tui.cli", "check", str(EXAMPLE)], capture_output=True, text=True,
-                         cwd=ROOT)
-    assert run.returncode == 0, run.stderr
-    assert "sampled tokens identical" in run.stdout
+        if not extra and "another platform" not in run.stdout:  # the recording's platform: exact
+            assert "sampled tokens identical" in run.stdout, run.stdout[-2000:]
 
 
 def test_a_mismatch_reports_the_logit_margin(checkpoint, tmp_path):
@@ -99,6 +95,9 @@ def test_step_checks_one_step_after_re_executing_its_past(checkpoint, tmp_path):
         check_tokens(edited, step=9999)
 
 
+OTHER_CAPABILITY = "AVX512" if torch.backends.cpu.get_cpu_capability() != "AVX512" else "AVX2"
+
+
 def on_another_platform(header: bytes, **fields) -> bytes:
     """The header as if recorded on another platform: `fields` replace the recorded platform's."""
     h = msgpack.unpackb(header, raw=False)
@@ -120,10 +119,11 @@ def test_check_names_each_platform_field_that_differs(checkpoint, tmp_path):
     src = record_preemption(checkpoint, tmp_path / "run.mdt")
     header, events = read_log(src)
     assert check_tokens(open_trace(src)).platform_note == ""  # recorded here: the same platform, exact
-    edited = write_log(tmp_path / "avx2.mdt", on_another_platform(header, cpu_capability="AVX2",
-                                                                  isa_overrides={"ONEDNN_MAX_CPU_ISA": "AVX2"}), events)
+    edited = write_log(tmp_path / "avx2.mdt", on_another_platform(header, cpu_capability=OTHER_CAPABILITY,
+                                                                  isa_overrides={"MKL_CBWR": "AVX"}), events)
     note = check_tokens(open_trace(edited)).platform_note
-    assert "cpu_capability 'AVX2' there" in note and "isa_overrides" in note and "cpu_model" not in note, note
+    assert f"cpu_capability '{OTHER_CAPABILITY}' there" in note and "isa_overrides" in note, note
+    assert "cpu_model" not in note, note
     h = msgpack.unpackb(header, raw=False)
     del h["platform"]
     old = write_log(tmp_path / "old.mdt", msgpack.packb(h, use_bin_type=True), events)
@@ -165,7 +165,7 @@ def test_after_a_near_tie_the_request_is_compared_with_the_recorded_tokens_fed(c
         m.setattr(engine.model_runner, "sample", runner_up_at_5)
         src = record_preemption(checkpoint, tmp_path / "run.mdt")
     header, events = read_log(src)
-    edited = write_log(tmp_path / "elsewhere.mdt", on_another_platform(header, cpu_capability="AVX2"), events)
+    edited = write_log(tmp_path / "elsewhere.mdt", on_another_platform(header, cpu_capability=OTHER_CAPABILITY), events)
     margin = tracing.execute.margin  # a near tie by construction: the runner-up of a greedy row
     monkeypatch.setattr(tracing.execute, "margin",
                         lambda logits, row, a, b: 0.0 if row.output_position == 5 else margin(logits, row, a, b))
