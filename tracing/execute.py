@@ -7,10 +7,11 @@ an in-flight input token is taken on the device from the previous step's output,
 Every sampled token is compared with the recorded one, stale ones included. On the recording's platform
 (engine/platform.py) the computation is the same, so the comparison is exact. On another platform the
 cross-platform rule applies. Each logit may move by the end-to-end tolerance, so a recorded token that lies
-within twice the tolerance of the re-executed winner is a near tie. A token further away is put to the plain
-reference: if the reference samples what the re-execution sampled, this platform's engine is right and the
-recording platform computed other bits (a platform difference, named as one); if not, it is a mismatch.
-After a near tie or a platform difference the request goes on being compared: its in-flight input tokens
+within twice the tolerance of the re-executed winner is a near tie. A token further away (a discrete choice
+that flipped on one platform moves the logits by more) is put to the plain reference: the requests that hold
+one are checked against it (tracing/divergence.py). Where this platform's engine agrees with the reference
+there, the recording platform computed other bits: a platform difference, named as one; where it does not,
+it is a mismatch. After a near tie or a platform difference the request goes on being compared: its in-flight input tokens
 are the recorded ones from then on, so every later position is still checked.
 
 This module loads torch and the model (the rest of tracing/ does not); it is imported only by `check`.
