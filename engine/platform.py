@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import os
 import platform as _platform
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Environment variables that lower the instruction set torch, oneDNN or MKL use (an imitation of a smaller CPU).
 ISA_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
