@@ -30,13 +30,25 @@ def launch(command: list[str], nproc: int, timeout_s: float | None = None) -> in
         base = {**os.environ, "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                 "MDI_INIT_METHOD": f"file://{Path(tmp) / 'store'}"}
         errs = [open(Path(tmp) / f"rank{r}.err", "w+") for r in range(nproc)]
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the ranks; they stop together
+        procs: list[subprocess.Popen] = []
+
+        def forward(signum, frame):  # SIGTERM or SIGHUP to the launcher: every rank gets it and stops cleanly
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signum)
+        # Ctrl-C reaches the ranks (one process group); they stop together
+        previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None:
+                previous[sig] = signal.signal(sig, forward)
         try:
-            procs = [subprocess.Popen(command, stderr=errs[r],
-                                      env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+            for r in range(nproc):
+                procs.append(subprocess.Popen(command, stderr=errs[r],
+                                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}))
             failed = _wait(procs, None if timeout_s is None else time.monotonic() + timeout_s)
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         shown = failed if failed is not None and failed >= 0 else 0
         errs[shown].seek(0)
         sys.stderr.write(errs[shown].read())
@@ -53,7 +65,9 @@ def _wait(procs: list[subprocess.Popen], deadline: float | None) -> int | None:
     failing rank, -1, or None."""
     while True:
         codes = [p.poll() for p in procs]
-        failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+        # a rank stopped by a signal it handled (128 + signum) is not a failure to stop the others for:
+        # they got the same signal and are finishing their step
+        failed = next((r for r, c in enumerate(codes) if c not in (None, 0) and not 128 < c < 160), None)
         if failed is None and deadline is not None and time.monotonic() > deadline:
             failed = -1
         if failed is not None:
@@ -63,6 +77,6 @@ def _wait(procs: list[subprocess.Popen], deadline: float | None) -> int | None:
             for p in procs:
                 p.wait()
             return failed
-        if all(c == 0 for c in codes):
-            return None
+        if all(c is not None for c in codes):  # every rank is done: 0, or the first stopped rank
+            return next((r for r, c in enumerate(codes) if c != 0), None)
         time.sleep(0.05)

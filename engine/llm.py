@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from rich.console import Console
 from rich.progress import Progress
 
 from engine.llm_engine import LLMEngine
@@ -37,7 +38,7 @@ class LLM:
                  num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int | None = 1,
                  shard: Shard | None = None, batch_invariant: bool = False):
         if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' needs a CUDA GPU and none is visible; use device='cpu'.")
+            raise ValueError("device cuda needs a CUDA GPU and none is visible; use the cpu device.")
         if batch_invariant and device == "cpu" and cpu_threads != 1:  # model/invariant.py: one intra-op thread
             raise ValueError("batch_invariant=True on device='cpu' needs cpu_threads=1: the mode's CPU bits "
                              "are proven with one intra-op thread (model/invariant.py).")
@@ -64,7 +65,9 @@ class LLM:
             self.engine.check_request(t, p)
         order = [self.engine.add_request(ids[i], params[i]) for i in self.shard.requests(len(prompts))]
         done = {}
-        with Progress(transient=True, disable=not progress or self.shard.rank > 0) as bar:
+        console = Console()  # no bar where stdout is not a terminal: a pipe gets the outputs alone
+        with Progress(console=console, transient=True,
+                      disable=not progress or self.shard.rank > 0 or not console.is_terminal) as bar:
             task = bar.add_task("generating", total=len(order))
             while self.engine.has_unfinished():
                 for seq in self.engine.step():

@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import time
 
+import numpy
 import torch
 
 from engine.block_manager import BLOCK_SIZE
@@ -94,6 +95,11 @@ class LLMEngine:
         total = len(prompt_token_ids) + params.max_tokens
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token.")
+        vocab = self.runner.model.args.vocab_size
+        bad = next((t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, (int, numpy.integer))
+                    or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is not in the model's vocabulary (ids 0 to {vocab - 1}).")
         if total > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)}) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the model's max_seq_len {self.max_seq_len}.")

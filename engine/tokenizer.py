@@ -21,6 +21,10 @@ class ByteTokenizer:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
 
+class TokenizerError(ValueError):
+    """A tokenizer.json that cannot be used; the message is one sentence."""
+
+
 class HFTokenizer:
     """A tokenizer.json, through the `tokenizers` package."""
 
@@ -28,8 +32,12 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ValueError(f"{path} needs the tokenizers package: pip install tokenizers.") from None
-        self.tok = Tokenizer.from_file(str(path))
+            raise TokenizerError(f"{path} needs the tokenizers package: pip install tokenizers.") from None
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers package raises its own exception type, with a long message
+            why = str(e).splitlines()[0].rstrip(".") if str(e) else type(e).__name__
+            raise TokenizerError(f"cannot read {path}: {why}.") from None
         self.eos_token_id = self.tok.token_to_id("<｜end▁of▁sentence｜>")
         if self.eos_token_id is None:
             self.eos_token_id = EOS

@@ -126,8 +126,22 @@ def save_checkpoint(path: str | Path, args: ModelArgs,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     args.save(path / CONFIG_FILE)
-    save_file(tensors, str(path / WEIGHTS_FILE), metadata={DIGEST_KEY: digest})
+    save_tensors(tensors, path / WEIGHTS_FILE, metadata={DIGEST_KEY: digest})
     return digest
+
+
+def umask() -> int:
+    """The process's file-creation mask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> None:
+    """safetensors' `save_file`, leaving the file readable as any file the user writes (safetensors creates
+    it 0600): 0666 less the umask, 0644 by default."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~umask())
 
 
 class LoadedCheckpoint(NamedTuple):
@@ -226,6 +240,7 @@ def default_checkpoint(name: str = "tiny-68m", seed: int = 0, specs=None) -> Pat
     init_weights(tensors, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it 0700; the cache is the user's, 0755 by default
     try:
         save_checkpoint(tmp, args, tensors)
         os.rename(tmp, path)

@@ -35,11 +35,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.attention import Linear
-from model.checkpoint import CheckpointError, load_checkpoint, parameter_specs
+from model.checkpoint import CheckpointError, load_checkpoint, parameter_specs, save_tensors
 from model.config import ConfigError, ModelArgs
 from model.quant import (FP4_WEIGHT_GROUP, WEIGHT_TILE, act_quant_fp8, dequantize_fp4_e8m0, dequantize_fp8_tiles,
                          quantize_fp4_e8m0, quantize_fp8_tiles)
@@ -502,7 +501,7 @@ def _write_shards(out: Path, tensors: dict[str, torch.Tensor], shard_bytes: int)
     weight_map = {}
     for i, names in enumerate(groups, 1):
         shard = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in names}, str(out / shard), metadata={"format": "pt"})
+        save_tensors({n: tensors[n].contiguous() for n in names}, out / shard, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(names, shard)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)

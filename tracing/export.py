@@ -1,6 +1,8 @@
 """Chrome trace JSON for Perfetto (ui.perfetto.dev) and chrome://tracing (ARCHITECTURE.md §5: exporters).
 
-One process, "engine", with a track per CPU phase (schedule, execute, process) and a "device" track:
+One process per rank ("engine" for a single-process log, "rank R" for each rank of an EP x DP run, on one
+time axis: tracing/ranks.py's `offset_ns`), with a track per CPU phase (schedule, execute, process) and a
+"device" track:
 - a complete slice ("X") per phase per step, named "<phase> <step>", with the batch's kind and size;
 - a flow ("s" -> "f", bound to the enclosing slices) from each step's execute slice to its device slice,
   which under ZOS shows step N enqueued while the device still runs N-1;
@@ -14,48 +16,56 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tracing.ranks import Run
 from tracing.reader import TraceError, TraceFile
 from tracing.schema import BATCH_KINDS, PHASES
 
-PID = 1
 TRACKS = (*PHASES, "device")          # thread ids 1..4, in this order
 TID = {name: i + 1 for i, name in enumerate(TRACKS)}
 
 
-def chrome_trace(trace: TraceFile) -> dict:
-    """The whole log as a Chrome trace JSON object ({"traceEvents": [...]})."""
-    try:
-        return _Builder(trace).build()
-    except TraceError:
-        raise
-    except (IndexError, KeyError, TypeError, ValueError) as e:
-        raise TraceError(f"{trace.path} has a malformed event ({type(e).__name__}); cannot export it.") from None
+def chrome_trace(logs: TraceFile | Run) -> dict:
+    """One log, or the selected ranks of a run, as a Chrome trace JSON object ({"traceEvents": [...]})."""
+    run = logs if isinstance(logs, Run) else Run(logs.path, [logs])
+    out: list[dict] = []
+    for rank in run.selected:
+        trace = run.traces[rank]
+        try:
+            _Builder(trace, out, rank, run.world_size, run.offset_ns(rank)).build()
+        except TraceError:
+            raise
+        except (IndexError, KeyError, TypeError, ValueError) as e:
+            raise TraceError(f"{trace.path} has a malformed event ({type(e).__name__}); cannot export it.") \
+                from None
+    header = run.header
+    return {"traceEvents": out, "displayTimeUnit": "ms",
+            "otherData": {"device": str(header.get("device")), "world_size": run.world_size,
+                          "checkpoint_digest": str(header.get("checkpoint_digest"))}}
 
 
-def export_perfetto(trace: TraceFile, out: str | Path) -> int:
-    """Writes the JSON to `out`; returns the number of trace events."""
-    doc = chrome_trace(trace)
-    with open(out, "w") as f:
+def export_perfetto(logs: TraceFile | Run, out: str | Path, force: bool = True) -> int:
+    """Writes the JSON to `out` (an existing file only with `force`); returns the number of trace events."""
+    doc = chrome_trace(logs)
+    with open(out, "w" if force else "x") as f:
         json.dump(doc, f, separators=(",", ":"))
     return len(doc["traceEvents"])
 
 
-def _us(ns: int) -> float:
-    return ns / 1000
-
-
 class _Builder:
-    def __init__(self, trace: TraceFile):
-        self.trace = trace
+    """One log's trace events, appended to `out` as process `rank + 1`, its times shifted by `offset_ns`."""
+
+    def __init__(self, trace: TraceFile, out: list[dict], rank: int = 0, world_size: int = 1, offset_ns: int = 0):
+        self.trace, self.out = trace, out
+        self.pid, self.world_size, self.offset_ns = rank + 1, world_size, offset_ns
+        self.name = "engine" if world_size == 1 else f"rank {rank}"
         engine = trace.header.get("engine") or {}
         self.free = {"free KV blocks": int(engine.get("num_kv_blocks", 0)),
                      "free state slots": int(engine.get("num_state_slots", 0))}
-        self.out: list[dict] = []
         self.batches: dict[int, dict] = {}          # step -> args of its slices
         self.flow_start: dict[int, float] = {}      # step -> ts of its execute slice
         self.flow_end: dict[int, float] = {}        # step -> ts of its device slice
 
-    def build(self) -> dict:
+    def build(self) -> None:
         self._metadata()
         for name, value in self.free.items():
             self.out.append(self._counter(name, 0, value))
@@ -64,39 +74,42 @@ class _Builder:
             if handler:
                 handler(*e.fields)
         for step, ts in self.flow_start.items():
-            if step in self.flow_end:
-                flow = {"name": f"step {step}", "cat": "step", "id": step, "pid": PID}
+            if step in self.flow_end:  # flow ids are global: one per (step, rank)
+                flow = {"name": f"step {step}", "cat": "step", "id": step * self.world_size + self.pid - 1,
+                        "pid": self.pid}
                 self.out.append({**flow, "ph": "s", "tid": TID["execute"], "ts": ts})
                 self.out.append({**flow, "ph": "f", "bp": "e", "tid": TID["device"], "ts": self.flow_end[step]})
-        return {"traceEvents": self.out, "displayTimeUnit": "ms",
-                "otherData": {"device": str(self.trace.header.get("device")),
-                              "checkpoint_digest": str(self.trace.header.get("checkpoint_digest"))}}
 
     def _metadata(self) -> None:
-        self.out.append({"ph": "M", "pid": PID, "name": "process_name", "args": {"name": "engine"}})
+        pid = self.pid
+        self.out.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": self.name}})
+        self.out.append({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}})
         for name, tid in TID.items():
-            self.out.append({"ph": "M", "pid": PID, "tid": tid, "name": "thread_name", "args": {"name": name}})
-            self.out.append({"ph": "M", "pid": PID, "tid": tid, "name": "thread_sort_index",
+            self.out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}})
+            self.out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index",
                              "args": {"sort_index": tid}})
 
+    def _us(self, ns: int) -> float:
+        return (ns + self.offset_ns) / 1000
+
     def _slice(self, track: str, step: int, start: int, end: int) -> None:
-        ts = _us(start)
-        self.out.append({"ph": "X", "pid": PID, "tid": TID[track], "name": f"{track} {step}", "ts": ts,
-                         "dur": _us(end - start), "args": self.batches.get(step, {"step": step})})
+        ts = self._us(start)
+        self.out.append({"ph": "X", "pid": self.pid, "tid": TID[track], "name": f"{track} {step}", "ts": ts,
+                         "dur": (end - start) / 1000, "args": self.batches.get(step, {"step": step})})
         if track == "execute":
             self.flow_start[step] = ts
         elif track == "device":
             self.flow_end[step] = ts
 
     def _counter(self, name: str, t: int, value: int) -> dict:
-        return {"ph": "C", "pid": PID, "name": name, "ts": _us(t), "args": {"free": value}}
+        return {"ph": "C", "pid": self.pid, "name": name, "ts": self._us(t), "args": {"free": value}}
 
     def _count(self, name: str, t: int, delta: int) -> None:
         self.free[name] += delta
         self.out.append(self._counter(name, t, self.free[name]))
 
     def _instant(self, what: str, t: int, step: int, seq_id: int) -> None:
-        self.out.append({"ph": "i", "s": "t", "pid": PID, "tid": TID["schedule"], "ts": _us(t),
+        self.out.append({"ph": "i", "s": "t", "pid": self.pid, "tid": TID["schedule"], "ts": self._us(t),
                          "name": f"{what} seq {seq_id}", "args": {"step": step, "seq_id": seq_id}})
 
     # ---- one method per event kind (tracing/schema.py), fields in schema order ------------------

@@ -9,6 +9,9 @@ written to the log's final path once per engine step (`step_end`), so a hook cos
 list and a counter, a run still going can be followed and a crash leaves every complete step readable. `close()` (called
 by the engine's shutdown) writes the footer: event counts and the byte offset of every step's
 `schedule` event, then a 9-byte trailer pointing at the footer, so readers seek instead of scanning.
+The file is created at the first write (the first step, or `close()`), not before: an engine that fails
+to start or a run whose requests are refused leaves no file, and `discard()` removes only a file this
+recorder created. With `exclusive=True` an existing file is never replaced (FileExistsError).
 Imports neither torch nor engine/: it reads the engine's objects by attribute.
 """
 from __future__ import annotations
@@ -34,10 +37,10 @@ _RESERVATION, _TOKEN = KIND["reservation"], KIND["token"]  # the hooks called on
 class Recorder:
     enabled = True
 
-    def __init__(self, path: str | Path, argv: list[str] | None = None):
+    def __init__(self, path: str | Path, argv: list[str] | None = None, exclusive: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "wb")
+        self.exclusive = exclusive
+        self.file = None                      # opened at the first write
         self.argv = list(sys.argv if argv is None else argv)
         self.packer = msgpack.Packer(use_bin_type=True)
         self.buf = bytearray()
@@ -47,7 +50,7 @@ class Recorder:
         self.pending: list[list] = []            # this step's events, packed together at step_end
         self.pending_schedules: list[tuple[int, int]] = []  # (index in pending, step) of schedule events
         self.t0 = time.perf_counter_ns()
-        self.closed = False
+        self.started = self.closed = False
 
     def _emit(self, name: str, *fields) -> None:
         self.pending.append([KIND[name], *fields])
@@ -74,9 +77,15 @@ class Recorder:
     def _now(self) -> int:
         return time.perf_counter_ns() - self.t0
 
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "xb" if self.exclusive else "wb")
+
     def _flush(self) -> None:
         self._pack_pending()
         if self.buf:
+            if self.file is None:
+                self._open()
             self.file.write(self.buf)
             self.file.flush()
             self.written += len(self.buf)
@@ -87,8 +96,8 @@ class Recorder:
         full = {"magic": MAGIC, "schema_version": SCHEMA_VERSION,
                 "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "argv": self.argv, "t0_ns": self.t0, **header}
-        self.buf += self.packer.pack(full)
-        self._flush()
+        self.buf += self.packer.pack(full)  # written with the first step
+        self.started = True
 
     def request_added(self, seq_id, prompt_token_ids, params, seed):
         self._emit("request_added", self._now(), seq_id, list(prompt_token_ids), params.temperature, seed,
@@ -147,6 +156,9 @@ class Recorder:
         """Footer (counts, step index, clean end) and the trailer that points at it."""
         if self.closed:
             return
+        if not self.started:  # the engine never started: nothing to record
+            self.closed = True
+            return
         self._flush()
         footer_offset = self.written
         self._emit("footer", dict(self.counts), len(self.step_offsets), self.step_offsets, True)
@@ -155,6 +167,15 @@ class Recorder:
         self._flush()
         self.file.close()
         self.closed = True
+
+    def discard(self) -> None:
+        """Stop without a log: close, and remove the file if this recorder created it."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.file is not None:
+            self.file.close()
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self):
         return self

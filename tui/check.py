@@ -8,6 +8,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tracing.reader import open_trace
+from tui.cli import _plural
 
 
 def _table(title: str, rows) -> Table:
@@ -37,7 +38,7 @@ def check(a) -> int:
 
 
 def _progress(console: Console, what: str, run):
-    with Progress(console=console, transient=True) as bar:
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(what, total=None)
         return run(lambda i, n: bar.update(task, completed=i, total=n))
 
@@ -103,10 +104,6 @@ def _tokens(a, trace) -> int:
     console.print(f"[green]{what} re-executed, {same}; {replay.digests} step digests and {replay.rows:,} scheduled "
                   "rows identical in a scheduler replay[/]", soft_wrap=True)
     return 0
-
-
-def _plural(n: int, word: str) -> str:
-    return word if n == 1 else word + "s"
 
 
 def _against(a, trace) -> int:

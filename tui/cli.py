@@ -8,7 +8,9 @@ and of a trace: `info`, `export`, `verify`, `view` (tui/app.py), `check` and `di
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import random
 import shlex
 import signal
@@ -17,9 +19,42 @@ import time
 from pathlib import Path
 
 
+MAX_PROMPTS = 100_000  # record draws every request before the run starts
+
+
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says it already or has none worth saying
+    (None, an off switch); a MIN:MAX range reads as it is typed."""
+
+    def _get_help_string(self, action):
+        text, default = action.help or "", action.default
+        if "(default" in text or default is None or default is False or default is argparse.SUPPRESS \
+                or not action.option_strings:
+            return text
+        if default is True:
+            default = "on"
+        elif isinstance(default, tuple):
+            default = ":".join(map(str, default))
+        return f"{text} (default: {default})"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # argparse's usage block and message, as one sentence
-        self.exit(2, f"mdi-trace: {message}.\n")
+        self.exit(2, f"mdi-trace: {message}; see `{self.prog} --help`.\n")
+
+
+def _temperature(text: str) -> float:
+    try:
+        t = float(text)
+    except ValueError:
+        t = -1.0
+    if not 0.0 <= t < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a temperature of 0 or more (0 is greedy), not {text!r}")
+    return t
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -55,6 +90,10 @@ def _step(text: str) -> int:
 
 def _check(a) -> int:
     from tui.check import check
+
+    if not a.scheduler:
+        _check_model(a.model)
+        _check_device(a.device)
     return _each_rank(a, check)
 
 
@@ -90,29 +129,63 @@ def _positive(text: str) -> int:
     return n
 
 
+def _num_prompts(text: str) -> int:
+    n = _positive(text)
+    if n > MAX_PROMPTS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_PROMPTS:,} prompts (every one is drawn before "
+                                         f"the run starts), not {text}")
+    return n
+
+
+def _seed(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n < 1 << 63:
+        raise argparse.ArgumentTypeError(f"expected a seed between 0 and 2**63 - 1, not {text!r}")
+    return n
+
+
+def _model_option(parser, default: str | None = "tiny-68m", help: str | None = None) -> None:
+    from model.config import PRESETS
+    parser.add_argument("--model", default=default, metavar="MODEL",
+                        help=help or f"a preset ({', '.join(PRESETS)}) or a checkpoint folder")
+
+
+def _device_option(parser, help: str = "where the model runs") -> None:
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help=help)
+
+
 def _record_parser(sub) -> None:
     rec = sub.add_parser("record", help="run the engine on random prompts (or a jsonl file) and record a trace")
-    rec.add_argument("-o", "--output", help="trace file (default: traces/run-YYYYmmdd-HHMMSS.mdt)")
-    rec.add_argument("--model", default="tiny-68m", help="a preset name or a checkpoint folder")
-    rec.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    rec.add_argument("--num-prompts", type=_positive, default=16)
+    rec.add_argument("-o", "--output", metavar="TRACE", help="trace file (default: traces/run-YYYYmmdd-HHMMSS.mdt)")
+    rec.add_argument("--force", action="store_true", help="replace an existing trace file (otherwise refused)")
+    _model_option(rec)
+    _device_option(rec)
+    rec.add_argument("--num-prompts", type=_num_prompts, default=16, metavar="N",
+                     help=f"random requests to run, at most {MAX_PROMPTS:,}")
     rec.add_argument("--input-len", type=_range, default=(64, 512), metavar="MIN:MAX",
-                     help="prompt lengths, uniform in [MIN, MAX] (default 64:512)")
+                     help="prompt lengths, uniform in [MIN, MAX]")
     rec.add_argument("--output-len", type=_range, default=(16, 64), metavar="MIN:MAX",
-                     help="max_tokens, uniform in [MIN, MAX] (default 16:64)")
+                     help="max_tokens, uniform in [MIN, MAX]")
     rec.add_argument("--prompts", metavar="FILE.jsonl",
-                     help='one {"prompt": text or token ids, "max_tokens": N (optional)} per line')
-    rec.add_argument("--temperature", type=float, default=0.0)
-    rec.add_argument("--seed", type=int, default=0, help="seed of the prompts, the cancellations and the sampler")
+                     help='one {"prompt": text or token ids, "max_tokens": N (optional)} per line, instead of '
+                          'random prompts')
+    rec.add_argument("--temperature", type=_temperature, default=0.0, metavar="T", help="sampling temperature (0: greedy)")
+    rec.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the prompts, the cancellations and the sampler")
     rec.add_argument("--zos", action=argparse.BooleanOptionalAction, default=True,
                      help="zero-overhead scheduling: schedule step N while the device runs N-1")
     rec.add_argument("--batch-invariant", action="store_true",
                      help="logits bitwise independent of batching and chunking (model/invariant.py)")
-    rec.add_argument("--max-num-batched-tokens", type=_positive, default=512)
-    rec.add_argument("--max-num-seqs", type=_positive, default=8)
-    rec.add_argument("--num-kv-blocks", type=_positive, default=24,
-                     help="KV pool in 128-token blocks; the default is small enough that some preemption happens")
-    rec.add_argument("--num-state-slots", type=_positive, default=None, help="default: --max-num-seqs")
+    rec.add_argument("--max-num-batched-tokens", type=_positive, default=512, metavar="N",
+                     help="tokens a step may schedule, over all its rows")
+    rec.add_argument("--max-num-seqs", type=_positive, default=8, metavar="N", help="requests running at once")
+    rec.add_argument("--num-kv-blocks", type=_positive, default=24, metavar="N",
+                     help="KV pool in 128-token blocks, small enough by default that some preemption happens")
+    rec.add_argument("--num-state-slots", type=_positive, default=None, metavar="N",
+                     help="state slots (windows, compressor tails, Engram history), one per running request "
+                          "(default: --max-num-seqs)")
     rec.add_argument("--cancel-rate", type=_probability, default=0.1, metavar="P",
                      help="cancel each request with probability P, after a random number of its output tokens")
     rec.add_argument("--nproc", type=_positive, default=1, metavar="N",
@@ -120,43 +193,67 @@ def _record_parser(sub) -> None:
                           "one trace per rank beside the output, NAME.rankR.mdt")
 
 
+TRACE_HELP = "a log, one rank's log, or the OUT of `record --nproc N` (every rank)"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tracing.schema import SCHEMA_VERSION
+    try:
+        v = version("mini-deepinfer")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        v = "unknown"
+    return f"mdi-trace {v} (mini-DeepInfer; writes and reads trace schema version {SCHEMA_VERSION})"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mdi-trace", description="mini-DeepInfer's debugger.")
-    sub = p.add_subparsers(dest="command", required=True)
-    ck = sub.add_parser("checkpoint", help="create or inspect checkpoints").add_subparsers(dest="action", required=True)
+    from model.config import PRESETS
+
+    p = _Parser(prog="mdi-trace", description="mini-DeepInfer's debugger: record the engine's decisions into a "
+                "trace, then view, verify, check and compare traces. `mdi-trace COMMAND --help` for a command.")
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ck = sub.add_parser("checkpoint", help="create a random-weight checkpoint, or one in the released format")
+    ck = ck.add_subparsers(dest="action", required=True, metavar="ACTION")
     init = ck.add_parser("init", help="write a random-weight checkpoint from a preset and a seed")
-    init.add_argument("--preset", default="tiny-68m", help="tiny-68m, micro or stress")
-    init.add_argument("--seed", type=int, default=0)
-    init.add_argument("-o", "--output", required=True, help="output folder")
+    init.add_argument("--preset", default="tiny-68m", choices=list(PRESETS), help="the model's shape")
+    init.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the random weights")
+    init.add_argument("-o", "--output", required=True, metavar="FOLDER", help="output folder")
+    init.add_argument("--force", action="store_true", help="replace a checkpoint already in the folder")
     quant = ck.add_parser("quantize", help="write a checkpoint in the released format (FP8 dense, FP4 experts, "
                                            "sharded with model.safetensors.index.json)")
-    quant.add_argument("--from", dest="source", required=True, help="a checkpoint folder made by `checkpoint init`")
-    quant.add_argument("-o", "--output", required=True, help="output folder")
-    gen = sub.add_parser("generate", help="run random prompts through the engine (a smoke run)")
-    gen.add_argument("--model", default="tiny-68m", help="a preset name or a checkpoint folder")
-    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    gen.add_argument("--num-prompts", type=int, default=4)
-    gen.add_argument("--prompt-len", type=int, default=200)
-    gen.add_argument("--max-tokens", type=int, default=16)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    quant.add_argument("--from", dest="source", required=True, metavar="FOLDER",
+                       help="a checkpoint folder made by `checkpoint init`")
+    quant.add_argument("-o", "--output", required=True, metavar="FOLDER", help="output folder")
+    quant.add_argument("--force", action="store_true", help="replace a checkpoint already in the folder")
+    gen = sub.add_parser("generate", help="run random prompts through the engine (a smoke run, no trace)")
+    _model_option(gen)
+    _device_option(gen)
+    gen.add_argument("--num-prompts", type=_num_prompts, default=4, metavar="N", help="random requests to run")
+    gen.add_argument("--prompt-len", type=_positive, default=200, metavar="N", help="tokens per prompt")
+    gen.add_argument("--max-tokens", type=_positive, default=16, metavar="N", help="output tokens per request")
+    gen.add_argument("--temperature", type=_temperature, default=0.0, metavar="T", help="sampling temperature (0: greedy)")
+    gen.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the random prompts")
     _record_parser(sub)
     info = sub.add_parser("info", help="a trace's header and summary, and whether it was cut short")
-    info.add_argument("trace")
+    info.add_argument("trace", help=TRACE_HELP)
     view = sub.add_parser("view", help="the trace viewer: timeline, steps, requests, resources, events (a TUI)")
-    view.add_argument("trace", help="a log, one rank's log, or the OUT of `record --nproc N` (opens every rank)")
+    view.add_argument("trace", help=TRACE_HELP)
     view.add_argument("--follow", action="store_true", help="tail a log that is still being written")
     view.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                       help="run `mdi-trace verify` in the background and show its findings "
                            "(default: logs under 32 MiB)")
-    exp = sub.add_parser("export", help="convert a trace (Chrome trace JSON for Perfetto)")
-    exp.add_argument("trace")
-    exp.add_argument("--format", default="perfetto", choices=["perfetto"])
-    exp.add_argument("-o", "--output", help="output file (default: the trace's name with .json)")
+    exp = sub.add_parser("export", help="convert a trace to Chrome trace JSON for Perfetto (a process per rank)")
+    exp.add_argument("trace", help=TRACE_HELP)
+    exp.add_argument("--format", default="perfetto", choices=["perfetto"], help="the output format")
+    exp.add_argument("-o", "--output", metavar="FILE",
+                     help="output file (default: NAME.perfetto.json in the current folder, NAME the trace's)")
+    exp.add_argument("--force", action="store_true", help="replace an existing output file")
     ver = sub.add_parser("verify", help="check a trace against the engine's invariants (exit 1 on a finding)")
-    ver.add_argument("trace")
+    ver.add_argument("trace", help=TRACE_HELP)
     chk = sub.add_parser("check", help="replay a trace and compare it with the recording (exit 1 on a mismatch)")
-    chk.add_argument("trace")
+    chk.add_argument("trace", help=TRACE_HELP)
     chk.add_argument("--scheduler", action="store_true",
                      help="replay the scheduler alone, with no model: the recorded arrivals, cancellations and "
                           "sampled tokens in, every batch and resource digest compared")
@@ -164,26 +261,36 @@ def _parser() -> argparse.ArgumentParser:
                      help="compare every row's logits and token with the plain reference model and localise the "
                           "first divergence to a step, layer and module")
     when = chk.add_mutually_exclusive_group()
-    when.add_argument("--until", type=_step, metavar="N", help="re-execute the steps up to and including step N")
+    when.add_argument("--until", type=_step, metavar="N", help="re-execute the steps up to and including step N (default: every step)")
     when.add_argument("--step", type=_step, metavar="N",
                       help="check step N alone, after re-executing the steps it depends on")
-    chk.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    chk.add_argument("--model", help="the recorded checkpoint (default: the trace's model_source)")
+    _device_option(chk, "where the model re-executes")
+    _model_option(chk, None, "the recorded checkpoint: a preset or a checkpoint folder (default: the trace's "
+                             "model_source)")
     dif = sub.add_parser("diff", help="the first step where two traces' decisions or tokens differ (exit 1 if any)")
-    dif.add_argument("a", metavar="A")
-    dif.add_argument("b", metavar="B")
+    dif.add_argument("a", metavar="A", help="a log (one rank's)")
+    dif.add_argument("b", metavar="B", help="another log")
     dif.add_argument("--tokens", action="store_true",
                      help="compare the sampled tokens only (runs that decide differently, e.g. ZOS on vs off)")
     return p
 
 
 def _checkpoint(a) -> int:
+    out = Path(a.output)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"mdi-trace: {out} is a file; give -o a folder.")
+    held = sorted(p.name for p in out.glob("*") if p.suffix in (".json", ".safetensors")) if out.is_dir() else []
+    if held and not a.force:
+        raise SystemExit(f"mdi-trace: {out} already holds a checkpoint ({', '.join(held[:3])}); give another -o, or "
+                         f"--force to replace it.")
     return {"init": _checkpoint_init, "quantize": _checkpoint_quantize}[a.action](a)
 
 
 def _checkpoint_quantize(a) -> int:
     from model.released import quantize_checkpoint
 
+    if Path(a.source).resolve() == Path(a.output).resolve():
+        raise SystemExit("mdi-trace: --from and -o name the same folder; write the released format elsewhere.")
     digest = quantize_checkpoint(a.source, a.output)
     print(f"wrote {a.output}: {a.source} in the released format (FP8 e4m3 32x32 tiles, FP4 e2m1 experts), "
           f"digest {digest}")
@@ -198,6 +305,24 @@ def _checkpoint_init(a) -> int:
     return 0
 
 
+def _check_model(model: str | None) -> None:
+    """--model names a preset or a folder; anything else is one sentence listing the presets."""
+    from model.config import PRESETS
+
+    if model is None or model in PRESETS or Path(model).is_dir():
+        return
+    what = "a file, not a checkpoint folder" if Path(model).exists() else "neither a preset nor a folder"
+    raise SystemExit(f"mdi-trace: --model {model} is {what}; give a preset ({', '.join(PRESETS)}) or a "
+                     f"checkpoint folder (`mdi-trace checkpoint init -o FOLDER` makes one).")
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit("mdi-trace: --device cuda needs a CUDA GPU and none is visible; use --device cpu.")
+
+
 def _generate(a) -> int:
     import torch
     from rich.console import Console
@@ -205,8 +330,8 @@ def _generate(a) -> int:
 
     from engine import LLM, SamplingParams
 
-    if min(a.num_prompts, a.prompt_len, a.max_tokens) < 1:
-        raise SystemExit("mdi-trace: --num-prompts, --prompt-len and --max-tokens must be at least 1.")
+    _check_model(a.model)
+    _check_device(a.device)
     try:
         llm = LLM(a.model, device=a.device)
     except ValueError as e:
@@ -263,134 +388,229 @@ def _read_prompts(path: str) -> list[tuple[str | list[int], int | None]]:
     return prompts
 
 
-def _requests(a, llm, rng: random.Random) -> list[tuple[list[int], object]]:
-    """(prompt token ids, SamplingParams) per request: random ids and lengths, or the --prompts file."""
+def _requests(a, llm, rng: random.Random, progress) -> list[tuple[list[int], object]]:
+    """(prompt token ids, SamplingParams) per request: random ids and lengths, or the --prompts file. Each
+    is checked as it is drawn (ValueError at the first that cannot run); `progress(n)` after each."""
     from engine import SamplingParams
 
     def max_tokens():
         return rng.randint(*a.output_len)
+
+    def checked(prompt, params):
+        llm.engine.check_request(prompt, params)
+        progress(1)
+        return prompt, params
     if a.prompts:
-        return [(llm.tokenizer.encode(p) if isinstance(p, str) else p,
-                 SamplingParams(temperature=a.temperature, max_tokens=m or max_tokens()))
+        return [checked(llm.tokenizer.encode(p) if isinstance(p, str) else p,
+                        SamplingParams(temperature=a.temperature, max_tokens=m or max_tokens()))
                 for p, m in _read_prompts(a.prompts)]
     vocab = llm.engine.runner.model.args.vocab_size
-    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*a.input_len))],
-             SamplingParams(temperature=a.temperature, max_tokens=max_tokens(), ignore_eos=True))
+
+    def prompt():
+        n = rng.randint(*a.input_len)
+        if n >= llm.engine.max_seq_len:  # refused before a huge list is drawn
+            raise ValueError(f"--input-len {a.input_len[0]}:{a.input_len[1]} drew a prompt of {n:,} tokens; the "
+                             f"model's max_seq_len is {llm.engine.max_seq_len:,}.")
+        return [rng.randrange(3, vocab) for _ in range(n)]
+    return [checked(prompt(), SamplingParams(temperature=a.temperature, max_tokens=max_tokens(), ignore_eos=True))
             for _ in range(a.num_prompts)]
 
 
-def _run(engine, cancel_at: dict[int, int], total: int) -> bool:
-    """Steps the engine to the end under a progress bar, cancelling request i once it has cancel_at[i]
-    output tokens (0: as soon as it has been scheduled). Ctrl-C stops at the end of the step under way
-    and cancels the unfinished requests, so the trace stays consistent; returns whether that happened.
-    Under EP x DP the ranks agree on both every step, so they stop together."""
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) before a record's run started; `code` is the exit code."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.code = 128 + signum
+
+
+class _Stop:
+    """How `record` meets SIGINT (Ctrl-C), SIGTERM and SIGHUP, all alike: before the run starts the first
+    one raises `Interrupted` (nothing to keep yet); once `running`, it asks the run to stop at the end of the
+    step under way, so the unfinished requests are cancelled and the footer written."""
+
+    SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.running = False
+        self.previous: dict = {}
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._received)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _received(self, signum, frame) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if first and not self.running:
+            raise Interrupted(signum)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def code(self) -> int:
+        return 128 + self.signum
+
+
+def _bar(console, disable: bool = False):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from model.parallel import any_rank
-
-    interrupted: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                TimeElapsedColumn())
-    try:
-        with Progress(*columns, transient=True, disable=engine.shard.rank > 0) as bar:
-            task, steps, stopped = bar.add_task("recording", total=total), 0, False
-            while engine.has_unfinished():
-                if any_rank(bool(interrupted), engine.shard):
-                    stopped = True
-                    break
-                bar.advance(task, len(engine.step()))
-                steps += 1
-                bar.update(task, description=f"recording, step {steps}")
-                for seq_id, k in list(cancel_at.items()):
-                    seq = engine.scheduler.seqs.get(seq_id)
-                    if seq is None or (seq.num_cached_tokens and seq.num_output_tokens >= k):
-                        del cancel_at[seq_id]
-                        if seq is not None:
-                            engine.abort(seq_id)
-            if stopped:
-                for seq_id in list(engine.scheduler.seqs):
+    return Progress(*columns, console=console, transient=True, disable=disable or not console.is_terminal)
+
+
+def _run(engine, cancel_at: dict[int, int], bar, total: int, stop: _Stop) -> bool:
+    """Steps the engine to the end under a progress bar, cancelling request i once it has cancel_at[i]
+    output tokens (0: as soon as it has been scheduled). A stop signal ends it at the end of the step under
+    way and cancels the unfinished requests, so the trace stays consistent; returns whether that happened.
+    Under EP x DP the ranks agree on both every step, so they stop together."""
+    from model.parallel import any_rank
+
+    task, steps = bar.add_task("recording", total=total), 0
+    while engine.has_unfinished():
+        if any_rank(stop.signum is not None, engine.shard):
+            _cancel_all(engine)
+            return True
+        bar.advance(task, len(engine.step()))
+        steps += 1
+        bar.update(task, description=f"recording, step {steps}")
+        for seq_id, k in list(cancel_at.items()):
+            seq = engine.scheduler.seqs.get(seq_id)
+            if seq is None or (seq.num_cached_tokens and seq.num_output_tokens >= k):
+                del cancel_at[seq_id]
+                if seq is not None:
                     engine.abort(seq_id)
-                engine.step()  # applies the cancellations and processes the step in flight
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    return stopped
+    return False
+
+
+def _cancel_all(engine) -> None:
+    """Cancel every unfinished request, then one step applies the cancellations and processes the step in
+    flight."""
+    for seq_id in list(engine.scheduler.seqs):
+        engine.abort(seq_id)
+    engine.step()
+
+
+def _refuse_existing(out: Path, world_size: int, force: bool) -> None:
+    """record never replaces a trace unless --force, and never leaves a run unreadable: a rank file of
+    another run beside OUT is refused even then (removing it is the user's call)."""
+    from tracing.ranks import rank_path
+
+    if world_size == 1:
+        if out.exists() and not force:
+            raise SystemExit(f"mdi-trace: {out} exists; give another -o, or --force to replace it.")
+        return
+    ours = {rank_path(out, r) for r in range(world_size)}
+    others = sorted(p for p in out.parent.glob(f"{glob.escape(out.stem)}.rank*{glob.escape(out.suffix)}")
+                    if p not in ours) if out.parent.is_dir() else []
+    if others:
+        raise SystemExit(f"mdi-trace: {others[0]} lies beside {out} and would join its run; remove it or give "
+                         f"another -o.")
+    there = sorted(p for p in ours if p.exists())
+    if there and not force:
+        raise SystemExit(f"mdi-trace: {there[0]} exists; give another -o, or --force to replace the run's "
+                         f"{world_size} rank files.")
 
 
 def _record(a, argv: list[str]) -> int:
-    import os
-
     from rich.console import Console
 
-    from engine import LLM
-    from model.parallel import barrier, from_rank0, setup
-    from tracing import Recorder
-    from tracing.ranks import open_run, rank_path
+    from model.parallel import setup
 
     if a.prompts:
         _read_prompts(a.prompts)  # a bad file fails before the model loads
+    _check_model(a.model)
+    _check_device(a.device)
     out = Path(a.output or f"traces/run-{time.strftime('%Y%m%d-%H%M%S')}.mdt")
     if out.is_dir():
         raise SystemExit(f"mdi-trace: {out} is a folder; give -o a file name.")
     if a.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _refuse_existing(out, a.nproc, a.force)
         return _launch_record(a, argv, out)
-    shard = setup(a.device)  # one process, or a rank of `--nproc` / torchrun
-    if a.nproc not in (1, shard.world_size):
-        raise SystemExit(f"mdi-trace: --nproc {a.nproc} but this process is one of {shard.world_size} ranks "
-                         f"(WORLD_SIZE); drop --nproc under torchrun.")
+    with _Stop() as stop:
+        shard = setup(a.device)  # one process, or a rank of `--nproc` / torchrun
+        if a.nproc not in (1, shard.world_size):
+            raise SystemExit(f"mdi-trace: --nproc {a.nproc} but this process is one of {shard.world_size} ranks "
+                             f"(WORLD_SIZE); drop --nproc under torchrun.")
+        return _record_rank(a, argv, out, shard, stop, Console())
+
+
+def _record_rank(a, argv: list[str], out: Path, shard, stop: _Stop, console) -> int:
+    """One process's (or rank's) record: the engine under the Recorder, then the summary."""
+    from engine import LLM
+    from model.parallel import barrier, from_rank0
+    from tracing import Recorder
+    from tracing.ranks import open_run, rank_path
+
     out = Path(from_rank0(str(out), shard))  # one name for every rank, even a default made of the time
     path = rank_path(out, shard.rank) if shard.world_size > 1 else out
-    recorder = Recorder(path, argv=["mdi-trace", *argv])
+    if shard.world_size == 1 or "MDI_INIT_METHOD" not in os.environ:  # `--nproc` checked the run's files
+        _refuse_existing(path, 1, a.force)
+    recorder = Recorder(path, argv=["mdi-trace", *argv], exclusive=not a.force)  # creates no file yet
     try:
         llm = LLM(a.model, device=a.device, enable_zos=a.zos, max_num_batched_tokens=a.max_num_batched_tokens,
                   max_num_seqs=a.max_num_seqs, num_kv_blocks=a.num_kv_blocks, num_state_slots=a.num_state_slots,
                   tracer=recorder, seed=a.seed, shard=shard, batch_invariant=a.batch_invariant)
     except BaseException as e:
-        recorder.file.close()
-        path.unlink(missing_ok=True)
+        recorder.discard()
         if isinstance(e, ValueError):
             raise SystemExit(f"mdi-trace: {e}") from None
         raise
-    console = Console()
     skipped = getattr(llm.engine.runner.model.weights, "skipped_tensors", [])
     if skipped and shard.rank == 0:  # a released checkpoint's out-of-scope tensors (DSpark, vision)
         console.print(f"skipped {len(skipped)} tensors outside the model served here: {', '.join(skipped[:4])}"
                       f"{', …' if len(skipped) > 4 else ''}", soft_wrap=True)
     rng = random.Random(a.seed)
     engine, interrupted, refused = llm.engine, False, None
+    total = len(_read_prompts(a.prompts)) if a.prompts else a.num_prompts
     try:
-        requests = _requests(a, llm, rng)  # every rank draws all of them, then serves its share
-        for prompt, params in requests:
-            engine.check_request(prompt, params)
-        ids = [engine.add_request(*requests[i]) for i in shard.requests(len(requests))]
-        cancel_at = {i: rng.randrange(p.max_tokens) for i, (_, p) in enumerate(requests)
-                     if rng.random() < a.cancel_rate}
-        cancel_at = {i: k for i, k in cancel_at.items() if i in ids}
-        start = time.perf_counter()
-        interrupted = _run(engine, cancel_at, len(ids))
-    except KeyboardInterrupt:  # before the run started
-        interrupted = True
-    except ValueError as e:  # a request that does not fit the model or the KV pool
+        with _bar(console, disable=shard.rank > 0) as bar:
+            drawing = bar.add_task("drawing requests", total=total)
+            requests = _requests(a, llm, rng, lambda n: bar.advance(drawing, n))  # every rank draws all
+            bar.remove_task(drawing)
+            stop.running = True  # from here a signal stops the run at a step's end: no request half added
+            ids = [engine.add_request(*requests[i]) for i in shard.requests(len(requests))]
+            cancel_at = {i: rng.randrange(p.max_tokens) for i, (_, p) in enumerate(requests)
+                         if rng.random() < a.cancel_rate}
+            cancel_at = {i: k for i, k in cancel_at.items() if i in ids}
+            start = time.perf_counter()
+            if stop.signum is None:
+                interrupted = _run(engine, cancel_at, bar, len(ids), stop)
+            else:  # a signal between the requests and the run
+                _cancel_all(engine)
+                interrupted = True
+    except Interrupted:  # while drawing the requests: none was added, the trace holds no step
+        stop.running, interrupted = True, True
+    except ValueError as e:  # a request that does not fit the model or the KV pool: nothing is kept
         refused = e
+        recorder.discard()
     finally:
-        engine.shutdown()  # writes the footer
+        engine.shutdown()  # writes the footer (nothing, once discarded)
     if refused:
-        path.unlink(missing_ok=True)
         raise SystemExit(f"mdi-trace: {refused}")
     barrier(shard)  # every rank's footer is written
     if shard.rank > 0:
-        return 130 if interrupted else 0
+        return stop.code if interrupted else 0
     if interrupted:
-        print(f"mdi-trace: interrupted; the unfinished requests were cancelled and the trace is in {out}.",
-              file=sys.stderr)
-        return 130
+        print(f"mdi-trace: interrupted ({stop.name}); the unfinished requests were cancelled and the trace is in "
+              f"{out}.", file=sys.stderr)
+        return stop.code
     elapsed = time.perf_counter() - start
     for trace in open_run(out).traces:
         _print_summary(console, trace, f"recorded {trace.path} in {elapsed:.1f} s", size=True)
-    q, one = shlex.quote(str(out)), shlex.quote(str(path))  # export takes one rank's log
+    q = shlex.quote(str(out))
     console.print(f"look at it:\n  [bold]mdi-trace view {q}[/]  (the TUI: timeline, steps, requests, resources)\n"
                   f"  [bold]mdi-trace info {q}[/]\n  [bold]mdi-trace verify {q}[/]\n  [bold]mdi-trace check {q}[/]\n"
-                  f"  [bold]mdi-trace export {one} --format perfetto -o run.json[/]  (then ui.perfetto.dev)",
+                  f"  [bold]mdi-trace export {q}[/]  (Chrome trace JSON; then ui.perfetto.dev)",
                   soft_wrap=True)
     return 0
 
@@ -481,13 +701,20 @@ def _info(a) -> int:
 
 def _export(a) -> int:
     from tracing.export import export_perfetto
-    from tracing.reader import open_trace
+    from tracing.ranks import open_run
 
-    out = Path(a.output or Path(a.trace).with_suffix(".json"))
-    trace = open_trace(a.trace)
-    n = export_perfetto(trace, out)
-    cut = f"; {trace.cut}" if trace.cut else ""
-    print(f"wrote {out}: {n:,} trace events{cut}; open it at https://ui.perfetto.dev")
+    with open_run(a.trace) as run:  # every rank of a run (a process each), or the one rank named
+        out = Path(a.output or f"{run.path.stem}.perfetto.json")
+        if out.is_dir():
+            raise SystemExit(f"mdi-trace: {out} is a folder; give -o a file name.")
+        if out.exists() and not a.force:
+            raise SystemExit(f"mdi-trace: {out} exists; give another -o, or --force to replace it.")
+        n = export_perfetto(run, out, force=a.force)
+        cuts = [f"{'' if run.world_size == 1 else f'rank {r}: '}{run.traces[r].cut}" for r in run.selected
+                if run.traces[r].cut]
+    ranks = f" of {len(run.selected)} ranks" if len(run.selected) > 1 else ""
+    print(f"wrote {out}: {n:,} trace events{ranks}{''.join('; ' + c for c in cuts)}; open it at "
+          f"https://ui.perfetto.dev")
     return 0
 
 
@@ -501,31 +728,71 @@ def _verify(a) -> int:
     from tracing.ranks import open_run
 
     run = open_run(a.trace)  # one log, or every rank's log of a run and what ties them together
-    violations = [f for f in verify_run(run) if f.violation]  # a log cut short is a note, not a finding
+    findings = verify_run(run)
+    violations = [f for f in findings if f.violation]  # a log cut short is a note, not a finding
+    total = max(getattr(findings, "total", 0), len(violations))  # verify keeps the first ones
     for f in violations:
         print(f)
+    if total > len(violations):
+        print(f"… and {total - len(violations):,} more (the first {len(violations)} are shown)")
     for rank in run.selected:
         if run.traces[rank].cut:
             print(f"note: {'' if run.world_size == 1 else f'rank {rank}: '}{run.traces[rank].cut}")
-    print(f"{len(violations)} finding{'' if len(violations) == 1 else 's'}" if violations else "no findings")
-    return 1 if violations else 0
+    print(f"{total:,} {_plural(total, 'finding')}" if total else "no findings")
+    return 1 if total else 0
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else word + "s"
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError in the command line's words: what, and which file, without Python's [Errno N]."""
+    what = (e.strerror or str(e)).rstrip(".")
+    name = e.filename if e.filename is not None else ""
+    return f"{name}: {what[0].lower() + what[1:]}." if name else f"{what}."
+
+
+def _check_options(a) -> None:
+    """Combinations of options that would silently ignore one of them."""
+    if a.command != "check":
+        return
+    if a.scheduler:
+        given = [f for f, on in (("--against", a.against), ("--until", a.until is not None),
+                                 ("--step", a.step is not None), ("--model", a.model),
+                                 ("--device cuda", a.device == "cuda")) if on]
+        if given:
+            raise SystemExit(f"mdi-trace: check --scheduler replays the whole log with no model, so {given[0]} "
+                             f"has no effect there; drop one of the two.")
+    if a.against and a.step is not None:
+        raise SystemExit("mdi-trace: check --against reference compares every step up to --until N; --step N "
+                         "is for re-execution alone (`check --step N`).")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    a = _parser().parse_args(argv)
+    parser = _parser()
+    if not argv:  # a bare call: what the commands are
+        parser.print_help()
+        return 2
+    a = parser.parse_args(argv)
     from model.config import ConfigError
     from tracing.reader import TraceError
 
     def user_errors():  # evaluated when an exception is matched: CheckpointError only if torch was loaded
-        checkpoint = sys.modules.get("model.checkpoint")
-        return (ConfigError, TraceError, OSError) + ((checkpoint.CheckpointError,) if checkpoint else ())
+        loaded = [(sys.modules.get(m), name) for m, name in (("model.checkpoint", "CheckpointError"),
+                                                            ("engine.tokenizer", "TokenizerError"))]
+        return (ConfigError, TraceError, OSError) + tuple(getattr(m, name) for m, name in loaded if m)
 
     commands = {"checkpoint": _checkpoint, "generate": _generate, "info": _info, "export": _export,
                 "verify": _verify, "check": _check, "diff": _diff, "record": lambda a: _record(a, argv),
                 "view": lambda a: __import__("tui.app").app.run_view(a.trace, a.follow, a.verify)}
     try:
+        _check_options(a)
         return commands[a.command](a)
+    except OSError as e:
+        print(f"mdi-trace: {_os_error(e)}", file=sys.stderr)
+        return 2
     except user_errors() as e:
         print(f"mdi-trace: {e}", file=sys.stderr)
         return 2
@@ -534,6 +801,9 @@ def main(argv: list[str] | None = None) -> int:
             print(e.code, file=sys.stderr)
             return 2
         raise
+    except Interrupted as e:  # record, before its run started
+        print(f"mdi-trace: interrupted ({e}) before the run started; no trace was written.", file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         return 130
 
