@@ -88,21 +88,24 @@ def _tokens(a, trace) -> int:
         if len(items) > 5:
             console.print(f"… and {len(items) - 5} more {what}s", soft_wrap=True)
     if r.against is not None and r.mismatch is None:
-        console.print(f"the {len({d.seq_id for d in r.platform_differences})} requests with tokens beyond a near tie, "
+        n = len({d.seq_id for d in r.platform_differences})
+        console.print(f"the {n} {_plural(n, 'request')} with tokens beyond a near tie, "
                       f"checked against the reference ({r.against.rows:,} positions, {r.against.tokens:,} tokens): no "
                       "divergence, so this platform's engine agrees with the reference and the recording platform "
                       "computed other bits", soft_wrap=True)
     if r.mismatch:
         print(f"mismatch: {r.mismatch}")
         return 1
-    what = f"step {a.step}" if a.step is not None else f"{r.steps} steps"
+    what = f"step {a.step}" if a.step is not None else f"{r.steps} {_plural(r.steps, 'step')}"
     differ = len(r.near_ties) + len(r.platform_differences)
-    same = (f"{r.tokens:,} sampled tokens compared, {r.tokens - differ:,} identical, {len(r.near_ties)} near "
+    tokens = f"{r.tokens:,} sampled {_plural(r.tokens, 'token')}"
+    same = (f"{tokens} compared, {r.tokens - differ:,} identical, {len(r.near_ties)} near "
             f"{_plural(len(r.near_ties), 'tie')} and {len(r.platform_differences)} platform "
             f"{_plural(len(r.platform_differences), 'difference')} ({r.after_ties:,} tokens compared after them, "
-            "the recorded tokens fed)") if differ else f"{r.tokens:,} sampled tokens identical"
-    console.print(f"[green]{what} re-executed, {same}; {replay.digests} step digests and {replay.rows:,} scheduled "
-                  "rows identical in a scheduler replay[/]", soft_wrap=True)
+            "the recorded tokens fed)") if differ else f"{tokens} identical"
+    console.print(f"[green]{what} re-executed, {same}; {replay.digests} step {_plural(replay.digests, 'digest')} and "
+                  f"{replay.rows:,} scheduled {_plural(replay.rows, 'row')} identical in a scheduler replay[/]",
+                  soft_wrap=True)
     return 0
 
 

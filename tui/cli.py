@@ -355,7 +355,7 @@ def _generate(a) -> int:
     console = Console()
     console.print(table)
     total = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
-    console.print(f"{len(outs)} requests, {total:,} tokens in {elapsed:.2f} s ({total / elapsed:,.0f} tokens/s), "
+    console.print(f"{len(outs)} {_plural(len(outs), 'request')}, {total:,} tokens in {elapsed:.2f} s ({total / elapsed:,.0f} tokens/s), "
                   f"ZOS on, temperature {a.temperature}")
     return 0
 
