@@ -172,8 +172,10 @@ def _record_parser(sub) -> None:
     rec.add_argument("--prompts", metavar="FILE.jsonl",
                      help='one {"prompt": text or token ids, "max_tokens": N (optional)} per line, instead of '
                           'random prompts')
-    rec.add_argument("--temperature", type=_temperature, default=0.0, metavar="T", help="sampling temperature (0: greedy)")
-    rec.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the prompts, the cancellations and the sampler")
+    rec.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+                     help="sampling temperature (0: greedy)")
+    rec.add_argument("--seed", type=_seed, default=0, metavar="N",
+                     help="seed of the prompts, the cancellations and the sampler")
     rec.add_argument("--zos", action=argparse.BooleanOptionalAction, default=True,
                      help="zero-overhead scheduling: schedule step N while the device runs N-1")
     rec.add_argument("--batch-invariant", action="store_true",
@@ -233,7 +235,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-prompts", type=_num_prompts, default=4, metavar="N", help="random requests to run")
     gen.add_argument("--prompt-len", type=_positive, default=200, metavar="N", help="tokens per prompt")
     gen.add_argument("--max-tokens", type=_positive, default=16, metavar="N", help="output tokens per request")
-    gen.add_argument("--temperature", type=_temperature, default=0.0, metavar="T", help="sampling temperature (0: greedy)")
+    gen.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+                     help="sampling temperature (0: greedy)")
     gen.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the random prompts")
     _record_parser(sub)
     info = sub.add_parser("info", help="a trace's header and summary, and whether it was cut short")
@@ -261,7 +264,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="compare every row's logits and token with the plain reference model and localise the "
                           "first divergence to a step, layer and module")
     when = chk.add_mutually_exclusive_group()
-    when.add_argument("--until", type=_step, metavar="N", help="re-execute the steps up to and including step N (default: every step)")
+    when.add_argument("--until", type=_step, metavar="N",
+                      help="re-execute the steps up to and including step N (default: every step)")
     when.add_argument("--step", type=_step, metavar="N",
                       help="check step N alone, after re-executing the steps it depends on")
     _device_option(chk, "where the model re-executes")
@@ -355,8 +359,8 @@ def _generate(a) -> int:
     console = Console()
     console.print(table)
     total = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
-    console.print(f"{len(outs)} {_plural(len(outs), 'request')}, {total:,} tokens in {elapsed:.2f} s ({total / elapsed:,.0f} tokens/s), "
-                  f"ZOS on, temperature {a.temperature}")
+    console.print(f"{len(outs)} {_plural(len(outs), 'request')}, {total:,} tokens in {elapsed:.2f} s "
+                  f"({total / elapsed:,.0f} tokens/s), ZOS on, temperature {a.temperature}")
     return 0
 
 
