@@ -6,8 +6,11 @@ messages of tui/messages.py; only the view on screen redraws when the selection 
 when shown. A run of several ranks (tracing/ranks.py) is one `RunModel` (`logs`): the Timeline draws every
 rank on one time axis, the other views show one rank at a time (`rank`, switched with R; each rank keeps
 its own selection, and step numbers are per rank). The log is indexed in a worker thread after the first
-paint (the header and footer are read at once), `--follow` re-indexes a log that grows, and `--verify` runs
-`mdi-trace verify` in a subprocess (the viewer itself imports neither torch nor engine/).
+paint (the header and footer are read at once), `--follow` re-indexes a log that grows (labelled "live" until
+its footer arrives, then "complete"), and `--verify` runs `mdi-trace verify` in a subprocess (the viewer
+itself imports neither torch nor engine/): once at the start and, under `--follow`, again after each
+re-index, one run at a time (a re-index during a run asks for one more, so the last run always sees the
+footer). `mdi-trace view` needs a terminal on stdin and stdout (`run_view` says so before Textual starts).
 
 Every key is drawn in one frame (issue #5: under 50 ms): all six views stay laid out, the ones not on show
 off screen, so a switch moves two of them and resizes nothing; a key's effects are gathered for a few ms
@@ -88,7 +91,11 @@ class TraceApp(App):
         self.rank = self.logs.start_rank    # the rank the views other than the Timeline show
         self.kept: dict[int, tuple[int, int, int]] = {}   # rank -> (step_row, seq_id, event_index) left there
         self.follow, self.run_verify = follow, verify
+        self.followed = follow                   # --follow was given (`follow` turns off once the footer is in)
         self.verify_lines: list[str] | None = None
+        self.verify_code: int | None = None      # the exit code of the last verify run (None: it did not finish)
+        self.verify_running = self.verify_again = False
+        self.verify_runs: list[bool] = []        # per verify run started: whether the log was complete then
         self.error: str | None = None
         self.first_paint: float | None = None    # seconds from __init__ to the first screen
         self.loaded_at: float | None = None      # seconds from __init__ to the index being ready
@@ -127,7 +134,7 @@ class TraceApp(App):
         if self.follow:
             self.set_interval(FOLLOW_EVERY, self._look)
         if self.run_verify:
-            self._verify()
+            self.request_verify()
 
     def _painted(self) -> None:
         """The first screen is up (header and footer only): now index the log, in a worker."""
@@ -185,13 +192,15 @@ class TraceApp(App):
         self.query_one("#OverviewView", View).loaded()
         self._sync(self.current)
         self.call_after_refresh(self._sync_all, self.generation)   # the others: a switch then finds them ready
-        self._viewbar()
         for m in self.logs.models:
             if m.index.cut and not self.follow:
                 self.notify(str(m.index.cut), severity="warning", timeout=8)
         if self.follow and self.logs.clean:
             self.follow = False
             self.notify("the log is complete (footer written): no longer following")
+        self._viewbar()
+        if self.followed and self.generation > 1:   # a re-index of a followed log: verify what it holds now
+            self.request_verify()
 
     def _look(self) -> None:
         """--follow: re-index when the file has grown (once the previous index is in)."""
@@ -204,18 +213,34 @@ class TraceApp(App):
         except (OSError, TraceError) as e:
             self.notify(f"following {self.logs.path}: {e}", severity="error")
 
+    def request_verify(self) -> None:
+        """Run verify in the background, or once more after the run in progress (never two at a time)."""
+        if not self.run_verify:
+            return
+        if self.verify_running:
+            self.verify_again = True
+            return
+        self.verify_running, self.verify_again = True, False
+        self.verify_runs.append(self.logs.clean)
+        self._verify(str(self.logs.path))
+        if self.verify_lines is not None:   # "re-running" beside the last findings
+            self.query_one(OverviewView).show_warnings()
+
     @work(thread=True, group="verify")
-    def _verify(self) -> None:
-        cmd = [sys.executable, "-m", "tui.cli", "verify", str(self.logs.path)]
+    def _verify(self, path: str) -> None:
+        cmd = [sys.executable, "-m", "tui.cli", "verify", path]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=VERIFY_TIMEOUT)
-            lines = (out.stdout + out.stderr).splitlines() or ["verify printed nothing"]
+            lines, code = (out.stdout + out.stderr).splitlines() or ["verify printed nothing"], out.returncode
         except (OSError, subprocess.TimeoutExpired) as e:
-            lines = [f"verify did not finish: {e}"]
-        self.post_message(Verified(lines))
+            lines, code = [f"verify did not finish: {e}"], None
+        self.post_message(Verified(lines, code))
 
     def on_verified(self, message: Verified) -> None:
-        self.verify_lines = message.lines
+        self.verify_lines, self.verify_code = message.lines, message.code
+        self.verify_running = False
+        if self.verify_again:
+            self.request_verify()
         self.query_one(OverviewView).show_warnings()
 
     # ---- the selection -------------------------------------------------------------------------------
@@ -325,21 +350,51 @@ class TraceApp(App):
         self._viewbar()
 
     def _viewbar(self) -> None:
-        text, narrow = Text(), self.size.width < 100
+        """The views' keys, the selection, the rank on show and the follow state, in one line. The rank is
+        never cut: when the line is too wide the rest gives way first (padding, "request" to "req", the
+        follow state to one word, the titles of the views not on show, the request, the step)."""
+        width = self.size.width
+        rank = Text(f" · rank {self.rank}/{self.logs.world_size}", "bold #5fd7ff") if self.logs.world_size > 1 \
+            else Text()
+        for tabs, status, state in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 3, 1)):
+            text = self._tabs(tabs)
+            text.append_text(self._status(status))
+            text.append_text(rank)
+            text.append_text(self._state(state))
+            if text.cell_len <= width:
+                break
+        else:   # narrower still: the left part is cut, the rank kept
+            keep = Text.assemble(rank, self._state(1))
+            text.truncate(max(width - keep.cell_len, 0))
+            text.append_text(keep)
+        self.query_one("#viewbar", Static).update(text, layout=False)
+
+    def _tabs(self, level: int) -> Text:
+        """The views' keys: 0 padded titles, 1 titles, 2 the title of the view on show only."""
+        text = Text()
         for v in VIEWS:
             on = v.__name__ == self.view
-            text.append(f"{v.key} {v.title}" if narrow else f" {v.key} {v.title} ", "bold reverse" if on else "")
+            label = f" {v.key} {v.title} " if level == 0 else f"{v.key} {v.title}" if level == 1 or on else v.key
+            text.append(label, "bold reverse" if on else "")
             text.append("│", "dim")
+        return text
+
+    def _status(self, level: int) -> Text:
+        """The indexing progress, or the selection: 0 "step N · request M", 1 "req", 2 the step, 3 none."""
         if self.progress:
-            text.append(f"  {self.progress}", "bold #ffaf5f")
-        elif self.model.ready and len(self.model.steps):
-            text.append(f" step {self.model.steps.step[self.step_row]} · {'req' if narrow else 'request'} "
-                        f"{self.seq_id}", "bold")
-        if self.logs.world_size > 1:
-            text.append(f" · rank {self.rank}/{self.logs.world_size}", "bold #5fd7ff")
+            return Text(f"  {self.progress}", "bold #ffaf5f")
+        if not (self.model.ready and len(self.model.steps)) or level == 3:
+            return Text()
+        step = f" step {self.model.steps.step[self.step_row]}"
+        return Text(step if level == 2 else f"{step} · {'request' if level == 0 else 'req'} {self.seq_id}", "bold")
+
+    def _state(self, level: int) -> Text:
+        """A followed log's state: live (no footer yet), then complete."""
         if self.follow:
-            text.append("  following", "#5fd75f")
-        self.query_one("#viewbar", Static).update(text, layout=False)
+            return Text("  following: live" if level == 0 else " live", "#5fd75f")
+        if self.followed and self.logs.clean:
+            return Text("  complete" if level == 0 else " complete", "#5fd75f")
+        return Text()
 
     # ---- actions and jumps -------------------------------------------------------------------------
     def action_view(self, name: str) -> None:
@@ -349,13 +404,14 @@ class TraceApp(App):
         self._select_step(self.step_row + delta)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(several_ranks=self.logs.world_size > 1))
-
-    def check_action(self, action: str, parameters) -> bool | None:
-        """The rank key exists only for a run of several ranks (a single log's key bar stays as it was)."""
-        return action != "rank" or self.logs.world_size > 1
+        self.push_screen(HelpScreen())
 
     def action_rank(self, delta: int) -> None:
+        """R: the next rank; on a single log, a note that there is none (the key bar shows R only for a run)."""
+        if self.logs.world_size == 1:
+            self.notify("this trace has one rank: R switches between the ranks of a run of several "
+                        "(record --nproc N)", severity="warning")
+            return
         self.switch_rank((self.rank + delta) % self.logs.world_size)
 
     def switch_rank(self, rank: int) -> None:
@@ -472,10 +528,24 @@ class TraceApp(App):
 
 def run_view(path: str, follow: bool = False, verify: bool | None = None) -> int:
     """`mdi-trace view`: the exit code; a damaged log raises TraceError (one sentence) after the app ends. PATH is
-    a log, one rank's log, or the OUT of `record --nproc N` (every rank's log is opened)."""
+    a log, one rank's log, or the OUT of `record --nproc N` (every rank's log is opened). Without a terminal on
+    stdout (Textual would write its escape codes into the pipe and wait for keys forever) or on stdin (no
+    key would ever reach it) it raises SystemExit with one sentence, after the log has been opened (so a bad
+    path is still the first thing said) and before Textual starts."""
     run = RunModel(path)
+    for name, stream in (("stdout", sys.stdout), ("stdin", sys.stdin)):
+        if not _is_terminal(stream):
+            raise SystemExit(f"mdi-trace: view needs a terminal; {name} is not one (use `mdi-trace info` or "
+                             f"`mdi-trace export` for a pipe).")
     app = TraceApp(path, follow=follow, verify=run.size < (32 << 20) if verify is None else verify, run=run)
     app.run()
     if app.error:
         raise TraceError(app.error)
     return app.return_code or 0
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (ValueError, OSError):   # a closed stream
+        return False

@@ -21,7 +21,7 @@ from tracing.index import BLOCK_EVENTS, SLOT_EVENTS, TraceIndex
 from tracing.ranks import open_run
 from tracing.reader import Event, TraceError, TraceFile
 from tracing.schema import BATCH_KINDS, EVENTS, FINISH_REASONS, KIND, ROW_FIELDS
-from tui.format import EventFilter, describe, fmt_ns, short_list
+from tui.format import EventFilter, describe, fmt_ns, plural, short_list
 from tui.lanes import Lanes
 
 SCHEDULE, TOKEN, FINISH = KIND["schedule"], KIND["token"], KIND["finish"]
@@ -29,10 +29,11 @@ KIND_NAMES = [EVENTS[k][0] for k in sorted(EVENTS) if EVENTS[k][0] != "footer"]
 STEP_HEADER = f"{'step':>7} {'kind':<7} {'rows':>4} {'tokens':>6} {'preempt':>7} {'duration':>10} {'device':>10}"
 EVENT_HEADER = f"{'#':>8} {'time':>10} {'step':>6} {'seq':>4} {'kind':<13} fields"
 MAX_POOL = 1 << 22         # KV blocks or state slots at most (the ownership arrays are this long)
-LIFELINE_TOKENS = 64      # token events decoded for a lifeline's summary line (each is listed anyway)
+LIFELINE_TOKENS = 24      # output tokens decoded for a lifeline's summary line (each is listed anyway)
+APPENDED, STALE = 0xC3, 0xC2   # a token event's last byte: its `appended` field, a msgpack true or false
 DETAIL_HEADER = (f"  {'seq':>5} {'epoch':>5} {'positions':>11} {'num_tokens':>10} {'slot':>4} {'sampled':>9}  "
                  "block_table")
-REQUEST_HEADER = f"{'seq':>5} {'prompt':>6} {'tokens':>6} {'preempt':>7} finish"
+REQUEST_HEADER = f"{'seq':>5} {'prompt':>6} {'output':>6} {'preempt':>7} finish"   # output: tokens appended
 
 
 class TraceModel:
@@ -61,7 +62,9 @@ class TraceModel:
         seqs = np.concatenate([ix.seq_id[ix.seq_id >= 0], ix._row_seq])
         self.request_ids = np.unique(seqs).astype(np.int64)
         self.prompt_len = self._per_seq(ix, "request_added", lambda e: len(e.prompt_token_ids))
-        self.request_tokens = self._per_request(ix, ix.kind == TOKEN)
+        self.appended = self._appended(ix)                 # per event: a token event that was appended
+        self.request_tokens = self._per_request(ix, self.appended)   # output tokens appended (stale ones not)
+        self.request_stale = self._per_request(ix, (ix.kind == TOKEN) & ~self.appended)
         self.request_preemptions = self._per_request(ix, ix.kind == KIND["preempt"])
         self.finish_reasons = self._per_seq(ix, "finish", lambda e: FINISH_REASONS[_enum(e.reason, FINISH_REASONS)])
         engine = self.header.get("engine")
@@ -82,6 +85,25 @@ class TraceModel:
                 out[int(ix.seq_id[i])] = value(e)
             except (TypeError, ValueError, IndexError, KeyError):
                 raise TraceError(f"{self.path} is damaged at byte {e.offset}: a malformed {kind} event.") from None
+        return out
+
+    def _appended(self, ix: TraceIndex) -> np.ndarray:
+        """Per event: True for a token event that was appended to its request's output (not a stale one).
+        `appended` is a token event's last field and a msgpack bool is one byte, and the events lie back to
+        back (the last one ends where the footer, or the cut, begins), so the flag is the byte before the next
+        event's offset: no event is decoded. One that ends otherwise (a writer that packed it another way) is
+        decoded."""
+        out = np.zeros(len(ix), dtype=bool)
+        tokens = np.flatnonzero(ix.kind == TOKEN)
+        if not len(tokens):
+            return out
+        trace = self.trace
+        end = trace.footer_offset if trace.clean else trace.cut.offset if trace.cut else len(trace.data)
+        ends = np.append(ix.offset[1:], end)[tokens]
+        last = np.frombuffer(trace.data, dtype=np.uint8)[ends - 1]
+        out[tokens] = last == APPENDED
+        for i in tokens[(last != APPENDED) & (last != STALE)]:
+            out[i] = ix.event_at(int(i)).appended is True
         return out
 
     # ---- steps -----------------------------------------------------------------------------------
@@ -127,7 +149,7 @@ class TraceModel:
             ("process", s.process_start[r], s.process_end[r]), ("device", s.device_start[r], s.device_end[r]))
             if start >= 0)
         gap = self.lanes.gap_before(r)
-        lines = [f"step {step}: {batch_kind(e)}, {len(e.rows)} rows, {s.tokens[r]} tokens, "
+        lines = [f"step {step}: {batch_kind(e)}, {plural(len(e.rows), 'row')}, {plural(s.tokens[r], 'token')}, "
                  f"scheduled at {fmt_ns(e.t + self.offset)}"
                  + (f", preempted {short_list(e.preempted)}" if e.preempted else ""),
                  f"  {spans}" + (f"  device idle {fmt_ns(gap)} before it" if gap else ""),
@@ -151,6 +173,7 @@ class TraceModel:
         return np.bincount(pos, minlength=len(self.request_ids))
 
     def request_line(self, i: int) -> str:
+        """One request: seq_id, prompt length, output tokens appended (stale ones not), preemptions, finish."""
         seq = int(self.request_ids[i])
         return (f"{seq:>5} {self.prompt_len.get(seq, '?'):>6} {self.request_tokens[i]:>6} "
                 f"{self.request_preemptions[i]:>7} {self.finish_reasons.get(seq, 'running')}")
@@ -167,19 +190,22 @@ class TraceModel:
         if len(added):
             a = ix.event_at(int(added[0]))
             head += (f": arrived at {fmt_ns(ix.t[added[0]] + self.offset)}, "
-                     f"prompt {self.prompt_len.get(seq, '?')} tokens, "
+                     f"prompt {plural(self.prompt_len[seq], 'token') if seq in self.prompt_len else '? tokens'}, "
                      f"max_tokens {a.max_tokens}, temperature {a.temperature}")
-        counts = (f"  {prefill} prefill chunks, {len(rows) - prefill} decode steps, "
-                  f"{np.count_nonzero(kinds == KIND['reservation'])} reservations, "
-                  f"{np.count_nonzero(kinds == KIND['epoch_bump'])} epoch bumps, "
-                  f"{np.count_nonzero(kinds == KIND['preempt'])} preemptions, "
-                  f"{np.count_nonzero(kinds == KIND['cancel'])} cancellations; "
+        count = lambda kind: int(np.count_nonzero(kinds == KIND[kind]))  # noqa: E731
+        counts = (f"  {plural(prefill, 'prefill chunk')}, {plural(len(rows) - prefill, 'decode step')}, "
+                  f"{plural(count('reservation'), 'reservation')}, {plural(count('epoch_bump'), 'epoch bump')}, "
+                  f"{plural(count('preempt'), 'preemption')}, {plural(count('cancel'), 'cancellation')}; "
                   f"finish: {self.finish_reasons.get(seq, 'not finished')}")
-        sampled = evs[kinds == TOKEN]
-        tokens = [ix.event_at(int(i)) for i in sampled[:LIFELINE_TOKENS]]
-        out = [t.token_id for t in tokens if t.appended]
-        more = f" of the first {LIFELINE_TOKENS} sampled" if len(sampled) > LIFELINE_TOKENS else ""
-        return [head, counts, f"  output tokens ({len(out)}{more}): {short_list(out, 24)}"], evs
+        k = int(np.searchsorted(self.request_ids, seq))
+        known = k < len(self.request_ids) and self.request_ids[k] == seq
+        n, stale = (int(self.request_tokens[k]), int(self.request_stale[k])) if known else (0, 0)
+        appended = evs[self.appended[evs]]     # the same count as the Requests list's `output` column
+        ids = [ix.event_at(int(i)).token_id for i in appended[:LIFELINE_TOKENS]]
+        shown = " ".join(map(str, ids)) + (" …" if n > len(ids) else "")
+        out = f"  output: {plural(n, 'token')} appended" + (f" ({stale} stale, discarded)" if stale else "") + \
+            f": [{shown}]"
+        return [head, counts, out], evs
 
     def lifeline_line(self, seq: int, i: int) -> str:
         """One event of a request's lifeline; a schedule event shows the request's own row."""
@@ -296,13 +322,15 @@ class TraceModel:
                  ("requests", f"{len(self.request_ids)}; finished: "
                               + (", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "none")),
                  ("steps", f"{len(s):,} ({prefill:,} prefill, {len(s) - prefill:,} decode)"),
-                 ("tokens", f"{int(s.tokens.sum()):,} computed, {n('token'):,} sampled"),
+                 ("tokens", f"{int(s.tokens.sum()):,} computed, {n('token'):,} sampled, "
+                            f"{int(np.count_nonzero(self.appended)):,} appended as output"),
                  ("preemptions", f"{n('preempt')}, cancellations {n('cancel')}, epoch bumps {n('epoch_bump')}"),
                  ("duration", f"{fmt_ns(dur)}"),
                  ("throughput", f"{s.tokens.sum() / dur * 1e9:,.0f} computed tokens/s, "
                                 f"{n('token') / dur * 1e9:,.0f} sampled tokens/s, {len(s) / dur * 1e9:,.1f} steps/s"),
-                 ("device", f"busy {100 * lanes.device_busy / dur:.0f}%, ZOS overlap "
-                            f"{100 * lanes.overlap / max(lanes.device_busy, 1):.0f}% of its busy time"),
+                 ("device", f"busy {100 * lanes.device_busy / dur:.0f}%; ZOS overlap: the CPU phases ran "
+                            f"{100 * lanes.overlap / max(lanes.cpu_busy, 1):.0f}% of their time "
+                            f"({fmt_ns(lanes.overlap)} of {fmt_ns(lanes.cpu_busy)}) while the device was busy"),
                  ("idle gaps", self._gaps_text())]
         return rows
 
@@ -312,9 +340,10 @@ class TraceModel:
             return "indexing…"
         ix, s = self.index, self.steps
         prefill = int(np.count_nonzero(s.kind == 0))
-        return (f"{len(ix):,} events, {len(self.request_ids)} requests, {len(s):,} steps ({prefill:,} prefill), "
-                f"{int(np.count_nonzero(ix.kind == TOKEN)):,} tokens sampled, "
-                f"{int(np.count_nonzero(ix.kind == KIND['preempt']))} preemptions, "
+        return (f"{plural(len(ix), 'event', spec=',')}, {plural(len(self.request_ids), 'request')}, "
+                f"{plural(len(s), 'step', spec=',')} ({prefill:,} prefill), "
+                f"{plural(int(np.count_nonzero(ix.kind == TOKEN)), 'token', spec=',')} sampled, "
+                f"{plural(int(np.count_nonzero(ix.kind == KIND['preempt'])), 'preemption')}, "
                 f"device busy {fmt_ns(self.lanes.device_busy)}")
 
     def _gaps_text(self) -> str:

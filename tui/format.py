@@ -25,6 +25,12 @@ def fmt_ns(ns: int | float) -> str:
     return f"{ns / 1e9:.4g} s"
 
 
+def plural(n, one: str, many: str | None = None, spec: str = "") -> str:
+    """`n` and the noun that agrees with it: 1 row, 2 rows, 0 rows (`many` for an irregular plural, `spec`
+    formats the number: "," gives 1,024)."""
+    return f"{n:{spec}} {one if n == 1 else many or one + 's'}"
+
+
 def parse_time(text: str) -> int:
     """ns since t0 from `1.5s`, `120 ms`, `40us`, `900ns` or a bare number (milliseconds); ValueError
     with one sentence otherwise."""
@@ -94,9 +100,9 @@ def describe(e: Event) -> str:
             rows = " ".join(f"{r[0]}@{r[2]}+{len(r[3])}" for r in f["rows"][:6])   # seq@start+num_tokens
             rows += " …" if len(f["rows"]) > 6 else ""
             pre = f", preempted {short_list(f['preempted'])}" if f["preempted"] else ""
-            return f"{BATCH_KINDS[f['kind']]}, {len(f['rows'])} rows: {rows}{pre}"
+            return f"{BATCH_KINDS[f['kind']]}, {plural(len(f['rows']), 'row')}: {rows}{pre}"
         if k == "request_added":
-            return (f"prompt {len(f['prompt_token_ids'])} tokens, max_tokens {f['max_tokens']}, "
+            return (f"prompt {plural(len(f['prompt_token_ids']), 'token')}, max_tokens {f['max_tokens']}, "
                     f"temperature {f['temperature']:g}, seed {f['seed']}")
         if k == "epoch_bump":
             return f"epoch {f['epoch']} ({EPOCH_REASONS[f['reason']]})"

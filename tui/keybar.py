@@ -10,7 +10,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 
-FIRST = {"Help": 0, "Quit": 1, "Rank": 2}   # Rank: only in a run of several ranks (tui/app.py)
+FIRST = {"Help": 0, "Quit": 1, "Rank": 2}   # Rank: shown only for a run of several ranks (tui/app.py)
 
 
 class KeyBar(Static):
@@ -26,6 +26,8 @@ class KeyBar(Static):
     def show_keys(self, screen) -> None:
         seen, keys = set(), []
         for _node, binding, enabled, _tip in screen.active_bindings.values():
+            if binding.description == "Rank" and getattr(self.app, "logs", None) and self.app.logs.world_size == 1:
+                continue   # R on a single log only says there is one rank: the bar keeps its room
             if binding.show and binding.description not in seen:
                 seen.add(binding.description)
                 keys.append((binding.key_display or self.app.get_key_display(binding), binding.description))

@@ -1,6 +1,16 @@
 """The timeline's data, with no Textual imports: each lane's spans sorted by start, what covers a column
 of the time axis, the device's idle gaps, and how much CPU work ran while the device was busy (the ZOS
 overlap). Built from `TraceIndex.steps` (tracing/index.py); times are ns since the header's t0_ns.
+
+The ZOS overlap has one definition, used by the Overview's figure and the Timeline's marks alike: the time
+during which a CPU phase (schedule, execute, process: the engine's host thread) ran while the device lane was
+busy, i.e. the intersection of the two lanes' unions (`overlap_lane`, sorted disjoint intervals). On CUDA the
+device span is the stream's work between two CUDA events; on CPU it is the device worker thread's forward
+(engine/model_runner.py `_run_cpu`), which starts inside the execute phase that submits it and runs on
+while the host thread processes the previous step and schedules the next. ZOS hides CPU work behind the
+device, so the Overview gives the overlap as a share of the CPU phases' time (`cpu_busy`): on a CPU trace the
+device is busy ~500x longer than the CPU phases, and a share of the device's time read 0% while the Timeline
+marked overlap at every step.
 """
 from __future__ import annotations
 
@@ -48,24 +58,14 @@ class Lanes:
             self.gap_start, self.gap_len, self.gap_row = dev.end_max[:-1][keep], wait[keep], dev.row[1:][keep]
         else:
             self.gap_start = self.gap_len = self.gap_row = np.zeros(0, np.int64)
-        self.device_busy = int(_union_length(dev.start, dev.end))
-        self.overlap = self._overlap()
-
-    def _overlap(self) -> int:
-        """ns during which the device was busy and the CPU ran any phase: ZOS at work."""
-        cpu_s = np.concatenate([lane.start for lane in self.lanes[:3]])
-        cpu_e = np.concatenate([lane.end for lane in self.lanes[:3]])
-        cs, ce = _merge(cpu_s, cpu_e)
-        ds, de = _merge(self.lanes[3].start, self.lanes[3].end)
-        if not len(cs) or not len(ds):
-            return 0
-        cum = np.concatenate([[0], np.cumsum(ce - cs)])
-
-        def busy_before(x):  # CPU busy time in [-inf, x)
-            k = np.searchsorted(cs, x, "right") - 1
-            inside = np.where(k >= 0, np.clip(x - cs[np.maximum(k, 0)], 0, (ce - cs)[np.maximum(k, 0)]), 0)
-            return cum[np.maximum(k, 0)] * (k >= 0) + inside
-        return int(np.sum(busy_before(de) - busy_before(ds)))
+        cs, ce = _merge(np.concatenate([lane.start for lane in self.lanes[:3]]),
+                        np.concatenate([lane.end for lane in self.lanes[:3]]))
+        ds, de = _merge(dev.start, dev.end)
+        self.device_busy = int(np.sum(de - ds))
+        self.cpu_busy = int(np.sum(ce - cs))         # ns during which the host thread ran a phase
+        # the ZOS overlap: where a CPU phase ran while the device was busy (the Timeline marks these columns)
+        self.overlap_lane = Lane(*_intersect(cs, ce, ds, de))
+        self.overlap = int(np.sum(self.overlap_lane.end - self.overlap_lane.start))
 
     def gaps_in(self, lo: int, hi: int) -> np.ndarray:
         """Indices of the idle gaps that overlap [lo, hi)."""
@@ -91,6 +91,17 @@ def _merge(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return s[heads], e[tails]
 
 
-def _union_length(start: np.ndarray, end: np.ndarray) -> int:
-    s, e = _merge(start, end)
-    return int(np.sum(e - s))
+def _intersect(a_start, a_end, b_start, b_end) -> tuple[np.ndarray, np.ndarray]:
+    """The intersection of two sets of sorted disjoint intervals, as sorted disjoint intervals of positive
+    length: a sweep over every endpoint (an end before a start at the same time), inside both at depth 2."""
+    points = np.concatenate([a_start, b_start, a_end, b_end]).astype(np.int64)
+    step = np.concatenate([np.ones(len(a_start) + len(b_start), np.int64), -np.ones(len(a_end) + len(b_end),
+                                                                                     np.int64)])
+    if not len(points):
+        return points, points
+    order = np.lexsort((step, points))
+    points, depth = points[order], np.cumsum(step[order])
+    k = np.flatnonzero(depth[:-1] == 2)
+    start, end = points[k], points[k + 1]
+    keep = end > start
+    return start[keep], end[keep]

@@ -59,5 +59,7 @@ class Progress(Message):
 
 @dataclass
 class Verified(Message):
-    """`mdi-trace verify` finished: its findings (and notes), one line each."""
+    """`mdi-trace verify` finished: its findings (and notes), one line each, and its exit code (0 none, 1
+    findings, None if it did not finish)."""
     lines: list[str]
+    code: int | None = 0

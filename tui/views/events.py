@@ -14,7 +14,7 @@ from textual.binding import Binding
 from textual.widgets import Input, Static
 
 from tui.data import EVENT_HEADER
-from tui.format import EventFilter, parse_filter
+from tui.format import EventFilter, parse_filter, plural
 from tui.lines import LineList
 from tui.messages import EventChosen, LineHighlighted
 from tui.views.base import View
@@ -72,7 +72,8 @@ class EventsView(View):
 
     def _status(self, note: str = "") -> None:
         pattern = f"   search /{self.pattern.pattern}/" if self.pattern else ""
-        text = Text(f"{len(self.shown):,} of {len(self.model.index):,} events: {self.filter}{pattern}   ")
+        events = plural(len(self.model.index), "event", spec=",")
+        text = Text(f"{len(self.shown):,} of {events}: {self.filter}{pattern}   ")
         text.append(note, "bold #ff875f")
         self.query_one("#event-status", Static).update(text, layout=False)
 

@@ -1,7 +1,9 @@
-"""The Requests view: every request (seq_id, prompt length, sampled tokens, preemptions, finish reason) on
-the left, and the selected request's lifeline on the right: arrival, prefill chunks, decode steps,
+"""The Requests view: every request (seq_id, prompt length, output tokens appended, preemptions, finish
+reason) on the left, and the selected request's lifeline on the right: arrival, prefill chunks, decode steps,
 reservations, epoch bumps, preemptions, cancellation, finish and its tokens, one line per event, in log
-order. Enter on a lifeline line selects that event's step in every view.
+order. The list's `output` and the lifeline's "output: N tokens appended" are one number: the request's token
+events with appended=True (a stale token, sampled under an old epoch or after the finish, is counted apart).
+Enter on a lifeline line selects that event's step in every view.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from tui.format import plural
 from tui.views.base import View
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -77,7 +78,7 @@ class ResourcesView(View):
         text.append_text(grid(blocks, batch, width, "block"))
         text.append("\nstate slots\n", "bold")
         text.append_text(grid(slots, batch, width, "slot"))
-        text.append(f"\n\nKV blocks owned over {len(m.steps)} steps\n", "bold")
+        text.append(f"\n\nKV blocks owned over {plural(len(m.steps), 'step')}\n", "bold")
         text.append_text(chart(m.blocks_in_use, m.num_blocks, row, width))
         text.append("\n\nstate slots owned\n", "bold")
         text.append_text(chart(m.slots_in_use, m.num_slots, row, width))

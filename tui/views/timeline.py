@@ -1,5 +1,6 @@
 """The Timeline view: the CPU lanes (schedule, execute, process) and the device lane of every step on one
-time axis, with the ZOS overlap (CPU busy while the device runs) and the device's idle gaps, each labelled
+time axis, with the ZOS overlap (a CPU phase running while the device is busy: the columns where the two
+lanes' spans intersect in time, tui/lanes.py, as the Overview counts it) and the device's idle gaps, each labelled
 with its length where it is wide enough. Zoom and pan with the keyboard; the selected step is drawn in the
 highlight colour. `TimelineChart` draws only its few lines, from numpy searches over the spans
 (tui/lanes.py), so a million steps cost what ten do. A run of several ranks gets the same rows for each
@@ -105,10 +106,9 @@ class TimelineChart(Widget, can_focus=True):
             lo, hi = lo - model.offset, hi - model.offset
             if what in LANES:
                 body = self._lane(lanes, LANES.index(what), lo, hi, self.selected_row(rank))
-            elif what == "overlap":
-                dev, _ = lanes.lanes[3].cover(lo, hi)
-                cpu = sum(lanes.lanes[k].cover(lo, hi)[0] for k in range(3))
-                body = _runs(np.where((dev > 0) & (cpu > 0), "▀", " "), [OVERLAP] * len(lo))
+            elif what == "overlap":   # a CPU phase ran while the device was busy (the Overview's figure)
+                n, _ = lanes.overlap_lane.cover(lo, hi)
+                body = _runs(np.where(n > 0, "▀", " "), [OVERLAP] * len(lo))
             else:
                 body = self._idle(lanes, lo, hi)
         return Strip(label + body).crop_extend(0, width, None)
