@@ -66,12 +66,17 @@ def schema_mismatches(text: str, s=schema) -> list[str]:
     check("constants", constants, {"MAGIC": s.MAGIC, "SCHEMA_VERSION": str(s.SCHEMA_VERSION),
                                    "TRAILER_SIZE": str(s.TRAILER_SIZE), "TRAILER_TAG": f"{s.TRAILER_TAG:#x}"})
     check("header fields", tuple(r[0] for r in t.get("Header", [])), s.HEADER_FIELDS)
+    check("header types", tuple((r[0], r[1]) for r in t.get("Header", [])), tuple(s.HEADER_TYPES.items()))
+    check("engine value types", {r[0]: r[1] for r in t.get("Engine", [])}, s.ENGINE_TYPES)
+    check("platform value types", {r[0]: r[1] for r in t.get("Platform", [])}, s.PLATFORM_TYPES)
     check("row fields", tuple(r[0] for r in t.get("Schedule row", [])), s.ROW_FIELDS)
     events = {int(r[0]): (r[1], tuple(split(r[2]))) for r in t.get("Events", [])}
     for code in sorted(events.keys() | s.EVENTS.keys()):
         check(f"event code {code}", events.get(code), s.EVENTS.get(code))
     for code, (name, fields) in s.EVENTS.items():
         check(f"fields of {code} {name}", tuple(r[0] for r in t.get(f"{code} {name}", [])), fields)
+        check(f"field types of {code} {name}", tuple(r[1] for r in t.get(f"{code} {name}", [])),
+              s.EVENT_TYPES.get(code))
     enums = {}
     for name, code, value in (r[:3] for r in t.get("Enums", [])):
         enums.setdefault(name, []).append((int(code), value))
@@ -97,6 +102,10 @@ def test_schema_document_agrees_with_schema_module():
     ("| state_slot | int | its state slot |\n", ""),                                # a row field dropped
     ("| output_position | int | which output token (0", "| position | int | which output token (0"),
     ("| SCHEMA_VERSION | 1 |", "| SCHEMA_VERSION | 2 |"),
+    ("| temperature | float or int | sampling", "| temperature | float | sampling"),   # an event field's type
+    ("| world_size | int |", "| world_size | str |"),                                # a header field's type
+    ("| num_kv_blocks | int |", "| num_kv_blocks | float |"),                          # an engine value's type
+    ("| isa_overrides | map[str, str] |\n", ""),                                    # a platform value dropped
 ])
 def test_schema_check_fails_when_the_document_drifts(old, new):
     text = SCHEMA_MD.read_text()
@@ -447,13 +456,52 @@ def test_a_hostile_event_is_one_sentence_in_bounded_memory(tmp_path, name):
     assert peak < 200 << 20, f"{name}: {peak >> 20} MiB"
 
 
-@pytest.mark.parametrize("claim", [b"\xdd\x00\x3f\xff\xff" * 1000, b"\xdb\x40\x00\x00\x00", b"\xc6\x40\x00\x00\x00",
-                                   b"\x95\x0a\xdb\x40\x00\x00\x00"],
-                         ids=["nested 2**22-element arrays", "a 1 GiB str", "a 1 GiB bin", "a 1 GiB str in an event"])
-def test_length_claims_beyond_the_end_are_a_cut_in_bounded_memory(tmp_path, claim):
-    """Lengths that claim more than the file holds (the largest allowed arrays nested, a 1 GiB str or bin)
-    look like a log cut inside an event: read as cut, without allocating what they claim. (msgpack checks
-    a str's length against its bound only once the bytes are there; with 16 MiB of them it is BufferFull.)"""
+# (bytes after HEADER + TOKEN, the byte the error names): each claims more than reader.LIMITS allow, and the file
+# ends before the bytes it claims. msgpack checks a str's, bin's or ext's length only once its bytes are there,
+# so without the reader's own check these would read as a log cut short.
+OVERCLAIMS = {
+    "a 4 GiB str in an event": (b"\x95\x0a\xdb\xff\xff\xff\xff", 2),
+    "a 1 GiB str": (b"\xdb\x40\x00\x00\x00", 0),
+    "a 1 GiB bin": (b"\xc6\x40\x00\x00\x00", 0),
+    "a str one byte over the limit, in a row": (b"\x96\x01\x00\x00\x01\x91\xdb\x00\x10\x00\x01" + b"x" * 10, 6),
+    "an ext of 100 bytes": (b"\x93\x0a\x01\xc7\x64\x01", 3),
+    "a fixext in an event": (b"\x93\x0a\x01\xd4", 3),
+    "nested 2**22-element arrays (an object beyond the 16 MiB buffer)": (b"\xdd\x00\x3f\xff\xff" * 1000, 0),
+    "2**22-element arrays nested 5 deep (at least 20 MiB)": (b"\xdd\x00\x3f\xff\xff" * 5, 0),
+}
+
+
+@pytest.mark.parametrize("name", OVERCLAIMS)
+def test_a_length_claimed_beyond_the_limits_is_an_error_even_past_the_end(tmp_path, name):
+    """A claim beyond a bound of reader.LIMITS is damage, never "cut short", even where the file ends first:
+    one sentence naming the byte of the claim, without allocating what it claims, from events(), the index and
+    event_at()."""
+    claim, at = OVERCLAIMS[name]
+    path = tmp_path / "claims.mdt"
+    path.write_bytes(HEADER + TOKEN + claim)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceError) as err:
+            read_all(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    byte = len(HEADER) + len(TOKEN) + at
+    assert one_sentence(str(err.value)) and f"damaged at byte {byte}" in str(err.value), str(err.value)
+    assert "cut short" not in str(err.value) and peak < 200 << 20
+    with TraceFile(path) as tf, pytest.raises(TraceError, match=f"damaged at byte {byte}"):
+        tf.event_at(len(HEADER) + len(TOKEN))
+
+
+@pytest.mark.parametrize("claim", [b"\xdd\x00\x3f\xff\xff" * 3, b"\xdb\x00\x10\x00\x00", b"\xc6\x00\x00\x10\x00abc",
+                                   b"\x98\x0a\x01\x00\x00\x00\x05\xdb\x00\x00\x00", b"\xdf\x00\x00\x10\x00\xa1k",
+                                   b"\x91" * 1000, b"\xdb"],
+                         ids=["nested 2**22-element arrays, 3 deep", "a 1 MiB str", "a 4 KiB bin",
+                              "an event cut in a str's length", "a map of 4096 entries", "arrays nested 1000 deep",
+                              "a type byte alone"])
+def test_length_claims_within_the_limits_beyond_the_end_are_a_cut(tmp_path, claim):
+    """Lengths within reader.LIMITS that claim more than the file holds look like a log cut inside an event:
+    read as cut, without allocating what they claim."""
     path = tmp_path / "claims.mdt"
     path.write_bytes(HEADER + TOKEN + claim)
     tracemalloc.start()
@@ -462,7 +510,7 @@ def test_length_claims_beyond_the_end_are_a_cut_in_bounded_memory(tmp_path, clai
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert cut.events == 1 and peak < 200 << 20
+    assert cut.events == 1 and cut.offset == len(HEADER) + len(TOKEN) and peak < 200 << 20
 
 
 @pytest.mark.parametrize("data, words", [
@@ -473,6 +521,11 @@ def test_length_claims_beyond_the_end_are_a_cut_in_bounded_memory(tmp_path, clai
     (b"\xc1garbage", "no readable header"),
     (b"", "empty"),
     (HEADER[:7], "inside its header"),
+    (b"\x82\xa5magic\xa9mdi-trace\xa4time\xdb\xff\xff\xff\xff",   # a header claiming a 4 GiB str, the file ending
+     "damaged at byte 22: a str claiming 4,294,967,295 bytes"),
+    (b"\x82\xa5magic\xa9mdi-trace\xa4argv\xdd\xff\xff\xff\xff", "unreadable header (an array claiming 4,294,967,295"),
+    (b"\x82\xa5magic\xa9mdi-trace\xa4argv" + b"\xdd\x00\x3f\xff\xff" * 5,
+     "damaged at byte 0 (an object larger than 16 MiB)"),
 ])
 def test_wrong_magic_or_version_is_one_clear_sentence(tmp_path, data, words):
     path = tmp_path / "log.mdt"
@@ -480,6 +533,133 @@ def test_wrong_magic_or_version_is_one_clear_sentence(tmp_path, data, words):
     with pytest.raises(TraceError) as err:
         TraceFile(path)
     assert words in str(err.value) and one_sentence(str(err.value)), str(err.value)
+
+
+# (header fields replaced, words the one sentence must hold): the framing intact, a field of the wrong type or range
+BAD_HEADERS = [
+    ({"schema_version": True}, "schema_version is a bool, not an int"),
+    ({"schema_version": 1.0}, "schema_version is a float, not an int"),
+    ({"schema_version": "1"}, "schema_version is a str, not an int"),
+    ({"engine": [1, 2]}, "engine is a list, not a map"),
+    ({"engine": "max_num_seqs 8"}, "engine is a str, not a map"),
+    ({"engine": {"num_kv_blocks": "24"}}, "engine's num_kv_blocks is a str, not an int"),
+    ({"engine": {"max_num_seqs": 8.0}}, "engine's max_num_seqs is a float, not an int"),
+    ({"engine": {"block_size": None}}, "engine's block_size is nil, not an int"),
+    ({"engine": {"enable_zos": 1}}, "engine's enable_zos is an int, not a bool"),
+    ({"engine": {"eos_token_id": "1"}}, "engine's eos_token_id is a str, not an int or nil"),
+    ({"engine": {1: 2}}, "engine has a key that is an int, not a str"),
+    ({"argv": 3}, "argv is an int, not a list"),
+    ({"argv": ["mdi-trace", 7]}, "argv[1] is an int, not a str"),
+    ({"model": "micro"}, "model is a str, not a map"),
+    ({"platform": ["cpu"]}, "platform is a list, not a map"),
+    ({"platform": {"isa_overrides": ["MKL_CBWR"]}}, "platform's isa_overrides is a list, not a map"),
+    ({"platform": {"intra_op_threads": "1"}}, "platform's intra_op_threads is a str, not an int"),
+    ({"world_size": "2"}, "world_size is a str, not an int"),
+    ({"world_size": 0}, "world_size is 0, not at least 1"),
+    ({"world_size": 2, "rank": 2}, "rank is 2, not between 0 and world_size - 1 (1)"),
+    ({"rank": -1}, "rank is -1, not between 0 and world_size - 1 (0)"),
+    ({"rank": 1}, "rank is 1, not between 0 and world_size - 1 (0)"),
+    ({"rank": True}, "rank is a bool, not an int"),
+    ({"t0_ns": "0"}, "t0_ns is a str, not an int"),
+    ({"t0_ns": 1.5}, "t0_ns is a float, not an int"),
+    ({"run_id": 12}, "run_id is an int, not a str or nil"),
+    ({"time": None}, "time is nil, not a str"),
+    ({"device": {"name": "cpu"}}, "device is a map, not a str"),
+    ({"triton": 3}, "triton is an int, not a str or nil"),
+    ({"seed": "0"}, "seed is a str, not an int"),
+    ({"intra_op_threads": 0}, "intra_op_threads is 0, not at least 1"),
+    ({"intra_op_threads": [1]}, "intra_op_threads is a list, not an int"),
+    ({"checkpoint_digest": b"\x00"}, "checkpoint_digest is a bin, not a str"),
+    ({"model_source": 1}, "model_source is an int, not a str"),
+    ({"dtype": False}, "dtype is a bool, not a str"),
+    ({"torch": 2}, "torch is an int, not a str"),
+    ({"magic": 1}, "wrong magic"),
+]
+
+
+@pytest.mark.parametrize("fields, words", BAD_HEADERS, ids=[w for _, w in BAD_HEADERS])
+def test_a_header_field_of_the_wrong_type_is_one_sentence_naming_it(tmp_path, fields, words):
+    path = tmp_path / "log.mdt"
+    header = {"magic": schema.MAGIC, "schema_version": schema.SCHEMA_VERSION, "t0_ns": 0, **fields}
+    path.write_bytes(msgpack.packb(header, use_bin_type=True) + TOKEN)
+    with pytest.raises(TraceError) as err:
+        TraceFile(path)
+    assert words in str(err.value) and one_sentence(str(err.value)), str(err.value)
+
+
+def test_every_header_field_has_a_checked_type():
+    """Each field of HEADER_TYPES, and each value of ENGINE_TYPES and PLATFORM_TYPES, is refused with a value of
+    another type: the schema's types are what the reader checks."""
+    import tracing.reader as reader
+    wrong = {"int": "x", "str": 1, "map": [], "list[str]": {}, "str or nil": 1.5, "int or nil": "x", "bool": 0,
+             "map[str, str]": 1}
+    for name, spec in schema.HEADER_TYPES.items():
+        if name not in ("magic", "schema_version"):
+            with pytest.raises(TraceError, match=f"damaged header: {re.escape(name)} is"):
+                reader._check_header({name: wrong[spec]}, "log.mdt")
+    for name, types in (("engine", schema.ENGINE_TYPES), ("platform", schema.PLATFORM_TYPES)):
+        for key, spec in types.items():
+            with pytest.raises(TraceError, match=f"{name}'s {key} is"):
+                reader._check_header({name: {key: wrong[spec]}}, "log.mdt")
+
+
+def test_a_header_with_only_some_fields_reads(tmp_path):
+    """Fields an old log lacks are absent, not wrong: magic and schema_version are all a log needs; nil reads as an
+    absent run_id; the committed example logs read."""
+    for header in ({"magic": schema.MAGIC, "schema_version": 1}, {"magic": schema.MAGIC, "schema_version": 1,
+                                                                 "run_id": None, "triton": None, "engine": {}}):
+        path = tmp_path / "old.mdt"
+        path.write_bytes(msgpack.packb(header) + TOKEN)
+        with TraceFile(path) as tf:
+            assert len(list(tf.events())) == 1 and tf.cut is not None
+    for example in sorted((ROOT / "traces" / "examples").glob("*.mdt")):
+        with TraceFile(example) as tf:
+            assert tf.clean and set(tf.header) == set(schema.HEADER_FIELDS)
+
+
+def _wrong_value(types: tuple) -> object:
+    """A value of none of `types`."""
+    return next(v for v in ("x", 1, 1.5, True, None, [1], {"a": 1}) if type(v) not in types)
+
+
+def test_every_event_field_of_the_wrong_type_is_one_sentence_naming_it(tmp_path):
+    """For each kind and field, an event with that field of another type is refused by objects() and event_at()
+    with one sentence naming the kind, the field and the byte."""
+    import tracing.reader as reader
+    good = {"int": 3, "float or int": 0.5, "bool": True, "str": "0123456789abcdef", "list[int]": [1],
+            "list[row]": [], "map[str, int]": {}, "list[[int, int]]": []}
+    at = len(HEADER) + len(TOKEN)
+    for code, (name, fields) in schema.EVENTS.items():
+        event = [code] + [good[t] for t in schema.EVENT_TYPES[code]]
+        assert reader._check_event(event, "log.mdt", 0) == code
+        for i, field in enumerate(fields):
+            bad = list(event)
+            bad[i + 1] = _wrong_value(reader._types(schema.EVENT_TYPES[code][i]))
+            path = tmp_path / f"{name}-{field}.mdt"
+            path.write_bytes(HEADER + TOKEN + msgpack.packb(bad) + TOKEN)
+            with pytest.raises(TraceError) as err:
+                list(TraceFile(path).objects())
+            message = str(err.value)
+            assert f"damaged at byte {at}: a {name} event whose {field} is not " in message, message
+            assert one_sentence(message), message
+            with pytest.raises(TraceError, match=f"a {name} event whose {field} is not"):
+                TraceFile(path).event_at(at)
+
+
+def test_an_int_temperature_reads_and_a_bool_is_never_an_int(tmp_path):
+    path = tmp_path / "log.mdt"
+    added = [schema.KIND["request_added"], 0, 0, [1, 2], 0, 7, 4, False, []]   # temperature=0, as SamplingParams(0)
+    path.write_bytes(HEADER + msgpack.packb(added) + TOKEN)
+    assert [e.kind for e in TraceFile(path).events()] == ["request_added", "token"]
+    path.write_bytes(HEADER + msgpack.packb([schema.KIND["token"], 1, 0, True, 0, 5, 7, True]))
+    with pytest.raises(TraceError, match="a token event whose seq_id is not an int"):
+        list(TraceFile(path).events())
+
+
+def test_a_footer_field_of_the_wrong_type_is_refused_on_open(tmp_path):
+    synthetic_log(tmp_path / "bad.mdt", 200, tamper=lambda f: f.__setitem__(3, 1))
+    with pytest.raises(TraceError, match="a footer event whose clean is not a bool"):
+        TraceFile(tmp_path / "bad.mdt")
 
 
 def test_a_missing_file_is_one_sentence(tmp_path):

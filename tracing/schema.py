@@ -41,9 +41,48 @@ PHASES = ("schedule", "execute", "process")
 EPOCH_REASONS = ("preempt", "abort")
 FINISH_REASONS = ("stop", "length", "abort")
 
-HEADER_FIELDS = ("magic", "schema_version", "time", "argv", "t0_ns", "engine", "model", "checkpoint_digest",
-                 "device", "torch", "triton", "dtype", "seed", "rank", "world_size", "intra_op_threads", "model_source",
-                 "run_id", "platform")
+# The type of every field, written as SCHEMA.md writes it: int, float, bool, str, nil, map (str keys), list[...],
+# map[...], and "A or B" for either. An int is never a bool (msgpack keeps them apart). The reader checks the
+# top-level type of every field of every event, of every header field present and of the engine and platform
+# values below (what lists and maps hold is the consumers' to check, except argv's items and the header maps'
+# keys); a header field may be absent (old logs lack some), except magic and schema_version.
+EVENT_TYPES: dict[int, tuple[str, ...]] = {
+    0: ("int", "int", "list[int]", "float or int", "int", "int", "bool", "list[int]"),
+    1: ("int", "int", "int", "list[row]", "list[int]"),
+    2: ("int", "int", "int", "int", "int"),
+    3: ("int", "int", "int", "int"),
+    4: ("int", "int", "list[int]"),
+    5: ("int", "int", "list[int]"),
+    6: ("int", "int", "int"),
+    7: ("int", "int", "int"),
+    8: ("int", "int", "int"),
+    9: ("int", "int", "int"),
+    10: ("int", "int", "int", "int", "int", "int", "bool"),
+    11: ("int", "int", "int", "int"),
+    12: ("int", "int", "int", "int"),
+    13: ("int", "int", "int"),
+    14: ("int", "str"),
+    15: ("map[str, int]", "int", "list[[int, int]]", "bool"),
+}
+assert all(len(EVENT_TYPES[code]) == len(fields) for code, (_, fields) in EVENTS.items())
+
+# header field -> type, in the header table's order. Besides its type: world_size >= 1, 0 <= rank < world_size
+# (world_size 1 when absent), intra_op_threads >= 1, argv's items are str and the maps' keys are str.
+HEADER_TYPES: dict[str, str] = {
+    "magic": "str", "schema_version": "int", "time": "str", "argv": "list[str]", "t0_ns": "int", "engine": "map",
+    "model": "map", "checkpoint_digest": "str", "device": "str", "torch": "str", "triton": "str or nil",
+    "dtype": "str", "seed": "int", "rank": "int", "world_size": "int", "intra_op_threads": "int",
+    "model_source": "str", "run_id": "str or nil", "platform": "map"}
+HEADER_FIELDS = tuple(HEADER_TYPES)
+# the values of the header's engine and platform maps that readers use, checked when present
+ENGINE_TYPES: dict[str, str] = {
+    "max_num_seqs": "int", "max_num_batched_tokens": "int", "num_kv_blocks": "int", "num_state_slots": "int",
+    "eos_token_id": "int or nil", "enable_zos": "bool", "block_size": "int", "batch_invariant": "bool",
+    "scheduler_version": "int"}
+PLATFORM_TYPES: dict[str, str] = {
+    "device_type": "str", "cpu_model": "str", "cpu_isa": "str", "onednn_isa": "str", "cpu_capability": "str",
+    "isa_overrides": "map[str, str]", "torch": "str", "triton": "str or nil", "intra_op_threads": "int",
+    "gpu_name": "str", "gpu_capability": "str", "cuda": "str or nil"}
 
 # The last 9 bytes of a cleanly closed log are a msgpack uint64 (0xcf + 8 big-endian bytes): the byte offset
 # of the footer event. A log without them was cut short (a crash, or a run still going) and is indexed by a scan.

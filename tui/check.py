@@ -20,8 +20,11 @@ def _table(title: str, rows) -> Table:
     return t
 
 
-def _log(cut) -> str:
-    return f"[yellow]{cut}[/]" if cut else "complete (footer present)"
+def _log(cut, trace) -> str:
+    """What a check read of the log: cut short, complete, or (a stop at the first mismatch) not to its end."""
+    if cut:
+        return f"[yellow]{cut}[/]"
+    return "complete (footer present)" if trace.clean else "no footer (not read to its end: the check stopped first)"
 
 
 def check(a) -> int:
@@ -57,7 +60,7 @@ def _scheduler(a, trace) -> int:
         ("digests compared", f"{r.digests}"),
         ("tokens fed", f"{r.tokens:,}"),
         ("cancellations", f"{r.cancellations}"),
-        ("log", _log(r.cut)),
+        ("log", _log(r.cut, trace)),
         ("result", f"[red]first mismatch at step {r.mismatch.step}[/]" if r.mismatch
          else "[green]every step matches[/]"))))
     return 1 if r.mismatch else 0
@@ -127,7 +130,7 @@ def _against(a, trace) -> int:
             ("platform differences", _listed(r.platform_differences)),
             ("shape noise", f"{r.noise:,} positions over the tolerance (max {r.noise_max:.3g}) where, with teacher-forced "
                             "inputs, no module differs" + _listed(r.noise_notes, count=False) if r.noise else "none"),
-            ("log", _log(r.cut))]
+            ("log", _log(r.cut, trace))]
     if d:
         rows += [("[red]divergence[/]", str(d)),
                  ("first module", f"[red]{d.module}[/]" if d.module else d.module_note or "not localised")]
