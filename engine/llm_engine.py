@@ -49,7 +49,7 @@ class LLMEngine:
         self.tracer = tracer or NullTracer()
         self.config, self.enable_zos, self.seed = config, enable_zos, seed
         self.batch_invariant = batch_invariant  # model/invariant.py (issue #11)
-        self.max_seq_len = weights.args.max_seq_len
+        self.max_seq_len, self.vocab_size = weights.args.max_seq_len, weights.args.vocab_size
         self.scheduler = Scheduler(config, self.tracer)
         self.runner = ModelRunner(weights, config.num_kv_blocks, config.num_state_slots, cpu_threads, batch_invariant)
         self.shard = weights.shard  # this rank's place under EP x DP; one process by default
@@ -95,7 +95,7 @@ class LLMEngine:
         total = len(prompt_token_ids) + params.max_tokens
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token.")
-        vocab = self.runner.model.args.vocab_size
+        vocab = self.vocab_size
         bad = next((t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, (int, numpy.integer))
                     or not 0 <= t < vocab), None)
         if bad is not None:
