@@ -11,15 +11,27 @@ worker after the first paint). "Key": from posting the key to the last screen up
 `_display` calls are timed; Textual's own frame pacing included). Each key is pressed 3 times; the median
 and the worst are reported.
 
-Usage: python benchmarks/bench_view.py [--events 1000000 10000000] [--dir /tmp]
+Memory (issue #17): each measurement runs in a fresh subprocess and reads its own peak RSS
+(VmHWM in /proc/self/status, file pages of the mapped log included). "Index": the peak RSS of
+building `TraceIndex` alone, its growth over the process before the scan, and the bytes of the numpy arrays the
+index keeps, per event. "View": the peak RSS of the whole headless app run above (Textual, the index, the views'
+lines). `--hostile` measures `mdi-trace verify` and the index on the issue's 12.6 MB log: three block_alloc
+events naming 4M block ids each (a pool of 64 blocks). `--minimal N` also writes a log of N minimal events
+(4-byte step_digest events, the smallest there is) and measures the index on it, the worst case per byte.
+
+Usage: python benchmarks/bench_view.py [--events 1000000 10000000] [--dir /tmp] [--no-keys] [--hostile]
+       [--minimal 50000000]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,10 +39,10 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from textual import events  # noqa: E402
+import msgpack  # noqa: E402
 
 from tracing import Recorder  # noqa: E402
-from tui.app import TraceApp  # noqa: E402
+from tracing.schema import KIND, MAGIC, SCHEMA_VERSION, TRAILER_TAG  # noqa: E402
 
 # (view key, keys pressed in that view): every view, the shared step, zoom, pan, lists, search
 SCRIPT = [("1", []), ("2", ["full_stop", "plus", "minus", "right", "i"]),
@@ -87,17 +99,123 @@ def synthesize(path: Path, n_events: int, batch: int = 16) -> None:
     rec.close()
 
 
-class TimedApp(TraceApp):
-    """The app, with the time of its last screen update recorded."""
-    last_display = 0.0
+def hostile(path: Path, n_ids: int = 1 << 22, events: int = 3, num_kv_blocks: int = 64) -> None:
+    """The issue's legal-looking 12.6 MB log: a valid header, then `events` block_alloc events of request 0
+    naming `n_ids` block ids each (0-127, one byte each; half of them outside the pool, all of them allocated
+    again and again), and a footer."""
+    rec = Recorder(path, argv=["bench_view.py", "--hostile"])
+    rec.start({"engine": {"num_kv_blocks": num_kv_blocks, "num_state_slots": 4, "max_num_seqs": 4,
+                          "block_size": 16}, "model": {}, "device": "synthetic"})
+    ids = [b % 128 for b in range(n_ids)]
+    for _ in range(events):
+        rec.block_alloc(0, ids)
+    rec.close()
 
-    def _display(self, screen, renderable) -> None:
-        super()._display(screen, renderable)
-        if renderable is not None:
-            self.last_display = time.perf_counter()
+
+def minimal(path: Path, n_events: int) -> None:
+    """A clean log of one schedule event (step 0), then `n_events` step_digest events `[14, 0, ""]` (4 bytes
+    each: the smallest event there is), and a footer: the most events a byte of log can hold."""
+    pack = msgpack.Packer(use_bin_type=True).pack
+    event = pack([KIND["step_digest"], 0, ""])
+    with open(path, "wb") as f:
+        f.write(pack({"magic": MAGIC, "schema_version": SCHEMA_VERSION, "t0_ns": 0, "engine": {},
+                      "device": "synthetic"}))
+        offset = f.tell()
+        f.write(pack([KIND["schedule"], 0, 0, 1, [], []]))
+        for done in range(0, n_events, 1 << 20):
+            f.write(event * min(1 << 20, n_events - done))
+        footer = f.tell()
+        f.write(pack([KIND["footer"], {"schedule": 1, "step_digest": n_events}, 1, [[0, offset]], True]))
+        f.write(bytes([TRAILER_TAG]) + footer.to_bytes(8, "big"))
+
+
+def rss(field: str = "VmHWM") -> int:
+    """This process's peak (VmHWM) or current (VmRSS) resident set size in bytes. Not ru_maxrss: Linux carries
+    the parent's peak over a fork and exec into it, so a small child of a big parent reads the parent's."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):  # not Linux: the peak since the process started (in KiB on Linux)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def child(what: str, path: str) -> dict:
+    """One measurement, in this (fresh) process."""
+    if what == "index":
+        from tracing.index import TraceIndex
+        from tracing.reader import TraceFile
+        import numpy as np
+        trace = TraceFile(path)
+        before, t = rss("VmRSS"), time.perf_counter()
+        index = TraceIndex(trace)
+        seconds = time.perf_counter() - t
+        if hasattr(index, "nbytes"):
+            kept = index.nbytes
+        else:  # the index before issue #17: its arrays are its attributes
+            arrays = [v for v in vars(index).values() if isinstance(v, np.ndarray)]
+            kept = sum(a.nbytes for a in arrays + [getattr(tab, f) for tab in (index.steps, index.resources)
+                                                   for f in tab.__slots__])
+        return {"events": len(index), "seconds": seconds, "before": before, "peak": rss(), "kept": int(kept)}
+    if what == "verify":  # `mdi-trace verify PATH`, in this process, its output counted (not kept)
+        import contextlib
+        from tui.cli import main as cli
+
+        class Count:
+            lines, last, text = 0, "", ""
+
+            def write(self, text: str) -> None:
+                self.lines += text.count("\n")
+                self.text = (self.text + text)[-500:]
+
+            def flush(self) -> None:
+                pass
+
+        out, t = Count(), time.perf_counter()
+        with contextlib.redirect_stdout(out):
+            cli(["verify", path])
+        last = out.text.rstrip("\n").rsplit("\n", 1)[-1]
+        return {"seconds": time.perf_counter() - t, "lines": out.lines, "last": last, "peak": rss()}
+    if what == "view":
+        r = asyncio.run(measure(Path(path)))
+        return {**r, "peak": rss()}
+    raise SystemExit(f"unknown measurement {what}")
+
+
+def in_child(what: str, path: Path) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", what, str(path)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    if out.returncode:
+        raise SystemExit(f"bench_view: the {what} measurement failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def mb(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB"
+
+
+def report_index(path: Path, label: str) -> dict:
+    r = in_child("index", path)
+    n = max(r["events"], 1)
+    print(f"  index of {label}: {r['events']:,} events in {r['seconds']:.2f} s; peak RSS {mb(r['peak'])} "
+          f"({mb(r['peak'] - r['before'])} over the {mb(r['before'])} before the scan, "
+          f"{(r['peak'] - r['before']) / n:.0f} B/event); arrays kept {mb(r['kept'])}, {r['kept'] / n:.1f} B/event, "
+          f"{r['kept'] / path.stat().st_size:.1f} B per byte of log")
+    return r
 
 
 async def measure(path: Path) -> dict:
+    from textual import events
+    from tui.app import TraceApp
+
+    class TimedApp(TraceApp):
+        """The app, with the time of its last screen update recorded."""
+        last_display = 0.0
+
+        def _display(self, screen, renderable) -> None:
+            super()._display(screen, renderable)
+            if renderable is not None:
+                self.last_display = time.perf_counter()
+
     app = TimedApp(str(path))
     keys: dict[str, list[float]] = {}
     async with app.run_test(size=(160, 48)) as pilot:
@@ -119,27 +237,52 @@ async def measure(path: Path) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        print(json.dumps(child(sys.argv[2], sys.argv[3])))
+        return
     p = argparse.ArgumentParser()
-    p.add_argument("--events", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    p.add_argument("--events", type=int, nargs="*", default=[1_000_000, 10_000_000])
     p.add_argument("--dir", default="/tmp", help="where the synthetic logs are written (kept for reuse)")
+    p.add_argument("--no-keys", action="store_true", help="memory only: the index, not the app")
+    p.add_argument("--hostile", action="store_true", help="verify and the index on the issue's hostile log")
+    p.add_argument("--minimal", type=int, default=0, help="also index a log of this many 4-byte events")
     a = p.parse_args()
     cpu = f"{platform.machine()}, {os.cpu_count()} cores"
+    if a.hostile:
+        path = Path(a.dir) / "bench-view-hostile.mdt"
+        hostile(path)
+        v = in_child("verify", path)
+        print(f"hostile log ({path.stat().st_size / 1e6:.1f} MB): verify {v['seconds']:.1f} s, peak RSS "
+              f"{mb(v['peak'])}, {v['lines']:,} lines printed, the last: {v['last']!r}")
+        report_index(path, "the hostile log")
+    if a.minimal:
+        path = Path(a.dir) / f"bench-view-minimal-{a.minimal}.mdt"
+        if not path.exists():
+            minimal(path, a.minimal)
+        print(f"minimal log ({path.stat().st_size / 1e6:,.0f} MB):")
+        report_index(path, "the minimal log")
     for n in a.events:
         path = Path(a.dir) / f"bench-view-{n}.mdt"
         if not path.exists():
             t = time.perf_counter()
             synthesize(path, n)
             print(f"wrote {path} ({path.stat().st_size >> 20} MiB) in {time.perf_counter() - t:.1f} s")
-        r = asyncio.run(measure(path))
+        print(f"\n{n:,} events ({path.stat().st_size / 1e6:,.0f} MB), CPU {cpu}")
+        ix = report_index(path, f"{n:,} events")
+        if a.no_keys:
+            continue
+        r = in_child("view", path)
+        print(f"  view: peak RSS {mb(r['peak'])}, {r['peak'] / ix['events']:.0f} B/event")
         allkeys = [v for vs in r["keys"].values() for v in vs]
         worst = max(r["keys"].items(), key=lambda kv: max(kv[1]))
-        print(f"\n{n:,} events ({path.stat().st_size >> 20} MiB), CPU {cpu}")
         print(f"  first paint {1000 * r['first_paint']:.0f} ms, indexed {r['indexed']:.2f} s")
         for k, vs in r["keys"].items():
             print(f"  key {k:<24} median {1000 * statistics.median(vs):6.1f} ms  worst {1000 * max(vs):6.1f} ms")
         print(f"| view, {n:,} events ({path.stat().st_size >> 20} MiB) | {cpu} | first paint "
               f"{1000 * r['first_paint']:.0f} ms | indexed {r['indexed']:.1f} s | keys: median "
-              f"{1000 * statistics.median(allkeys):.0f} ms, worst {1000 * max(worst[1]):.0f} ms ({worst[0]}) |")
+              f"{1000 * statistics.median(allkeys):.0f} ms, worst {1000 * max(worst[1]):.0f} ms ({worst[0]}) | "
+              f"index {ix['seconds']:.1f} s, {ix['kept'] / ix['events']:.0f} B/event kept, peak RSS "
+              f"{mb(ix['peak'])} | view peak RSS {mb(r['peak'])} |")
 
 
 if __name__ == "__main__":

@@ -246,6 +246,19 @@ def test_the_committed_example_traces_verify_clean(name):
     assert [str(f) for f in verify_run(open_run(str(ROOT / "traces" / "examples" / name)))] == []
 
 
+def test_a_run_of_two_ranks_keeps_100_findings_and_counts_them_all(tmp_path):
+    """verify_run over two ranks whose logs each hold 150 violations (tokens of a request never added): 100
+    kept over the run, in rank order, 300 counted (`Findings.total`, what `mdi-trace verify` reports)."""
+    src = ROOT / "traces" / "examples" / "micro-2rank"
+    for rank in (0, 1):
+        header, events = read_log(Path(f"{src}.rank{rank}.mdt"))
+        events[:0] = [[KIND["token"], 0, 0, 10**6 + rank, 0, k, 5, True] for k in range(150)]
+        write_log(tmp_path / f"bad.rank{rank}.mdt", header, events)
+    findings = verify_run(open_run(str(tmp_path / "bad.mdt")))   # the OUT: every rank
+    assert isinstance(findings, list) and len(findings) == 100 and findings.total == 300
+    assert all(f.rank == 0 and f.message == "a token for a request that was never added" for f in findings)
+
+
 def test_rewriting_a_log_unchanged_gives_the_same_bytes(preempted, tmp_path):
     """The editing helper re-creates footer and trailer exactly as the Recorder wrote them."""
     header, events = read_log(preempted)

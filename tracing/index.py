@@ -10,34 +10,64 @@ so the viewer and the tools find a step, a request or a kind without decoding th
 Columns, one entry per event (the footer excluded), in log order: `offset` (int64 byte offset), `kind`
 (uint8 code, tracing/schema.py), `step` and `seq_id` (int32, -1 when the event has none; a schedule event
 names no sequence itself, its rows do), `t` (int64 ns since the header's t0_ns; a span's start; -1 for a
-step_digest, which has no time). `steps` summarises each step, one row per schedule event; `resources`
+step_digest, which has no time), `appended` (bool: a token event appended to its request's output, not a stale
+one; False for every other kind). `steps` summarises each step, one row per schedule event; `resources`
 lists every KV block and state slot allocation and free, one row per block or slot. A clean log's
 footer (event counts, step offsets) is checked against the scan; a log without one is indexed by the
 scan alone and `cut` says where it stops. Imports neither torch nor engine/.
+
+Memory (issue #17): about 40 bytes per event kept (26 of them the six columns, 8 per batch row, 17 per
+resource row) and under 64 at the peak of the build, on a decode log. The scan decodes a chunk of events at a
+time (CHUNK_EVENTS at most, spanning CHUNK_BYTES at most) and turns it into numpy pieces at once: no Python
+list of Python ints outlives a chunk. The columns are preallocated from a clean log's footer counts when its
+bytes can hold that many events, else joined from the pieces at the end. A lookup by step or by request is an
+int32 order and a CSR (the distinct values, where each starts in the order), built by sorting an int64 key
+(value << 32 | position) in place: no int64 argsort, no sorted copy. The pages of the mapped log that the
+scan or `event_at` read are handed back to the kernel (`madvise`; the page cache keeps them), so that a log
+read once does not stay resident. A damaged log raises the TraceError the one-pass build before raised.
 """
 from __future__ import annotations
 
+import gc
+import mmap
 from dataclasses import dataclass
+from itertools import islice, repeat
+from operator import getitem, itemgetter
 
 import numpy as np
 
 from tracing.reader import Event, TraceError, TraceFile
 from tracing.schema import EVENTS, KIND, PHASES
 
-SCHEDULE, CPU_SPAN, DEVICE_SPAN = KIND["schedule"], KIND["cpu_span"], KIND["device_span"]
+SCHEDULE, CPU_SPAN, DEVICE_SPAN, TOKEN = KIND["schedule"], KIND["cpu_span"], KIND["device_span"], KIND["token"]
 BLOCK_EVENTS = (KIND["block_alloc"], KIND["block_free"])     # fields: t, seq_id, block_ids
 SLOT_EVENTS = (KIND["slot_alloc"], KIND["slot_free"])        # fields: t, seq_id, slot
 PROGRESS_EVERY = 1 << 16                                     # events between two progress callbacks
+CHUNK_EVENTS = 1 << 12                                       # events decoded and converted at a time at most,
+CHUNK_BYTES = 1 << 18                                        # and the bytes of log they span at most (+1 event)
+RELEASE_BYTES = 4 << 20                                      # scanned bytes handed back to the kernel at a time
+BIG_LIST = 1 << 12                                           # block ids converted at once, not gathered
+MIN_EVENT_BYTES = 4                                          # the smallest event: [14, 0, ""] (step_digest)
 
 
 def _position(fields: tuple[str, ...], *names: str) -> int:
-    """The array index of the first of `names` in an event, or -1: the sentinel appended to each event."""
+    """The array index of the first of `names` in an event (`[kind, *fields]`), or -1 if it has none."""
     return next((fields.index(n) + 1 for n in names if n in fields), -1)
 
 
-# kind code -> array positions of (step, seq_id, time); -1 reads the -1 appended to the array
+# kind code -> array positions of (step, seq_id, time); -1 for a field the kind lacks
 LAYOUT = {code: (_position(f, "step"), _position(f, "seq_id"), _position(f, "t", "start"))
           for code, (_, f) in EVENTS.items()}
+# the same as arrays indexed by kind code, 0 for a field the kind lacks (it reads the kind code, then set to -1)
+_STEP_AT, _SEQ_AT, _T_AT = (np.array([max(LAYOUT.get(code, (0, 0, 0))[k], 0) for code in range(256)], np.intp)
+                            for k in range(3))
+_SPECIAL = np.zeros(256, bool)             # the kinds whose events feed the step and resource tables
+_SPECIAL[[SCHEDULE, *BLOCK_EVENTS, *SLOT_EVENTS]] = True
+_first, _fourth = itemgetter(0), itemgetter(3)   # a schedule row's seq_id and token_ids
+
+# A damaged log raises the first of these, in this order (as the one-pass build did: its columns were checked
+# in this order after the scan); errors found during the scan (the reader's, malformed rows) come first.
+(E_STEP, E_SEQ, E_TIME, E_TABLE_INT, E_TWICE, E_SPAN, E_RES_INT, E_RES_RANGE, E_ROW_SEQ) = range(9)
 
 
 @dataclass(slots=True)
@@ -81,48 +111,57 @@ class TraceIndex:
     def __init__(self, trace: TraceFile, progress=None):
         """`progress(byte_offset)`, if given, is called every PROGRESS_EVERY events of the scan."""
         self.trace = trace
-        offset, kind, step, seq_id, t, rows, spans, res = _scan(trace, progress)
+        b = _scan(trace, progress)
         self.cut = trace.cut
-        self.offset = np.array(offset, dtype=np.int64)
-        self.kind = np.array(kind, dtype=np.uint8)
-        self.step = _int_column(step, np.int32, "step", self.offset, trace.path)
-        self.seq_id = _int_column(seq_id, np.int32, "seq_id", self.offset, trace.path)
-        self.t = _int_column(t, np.int64, "time", self.offset, trace.path)
-        self.steps = _step_table(rows, spans, trace.path)
-        self.resources = _resource_table(res, trace.path)
-        self._row_event = np.array([r[0] for r in rows.seqs], dtype=np.int64)  # schedule event index per row
-        self._row_seq = _int_column([r[1] for r in rows.seqs], np.int32, "row's seq_id",
-                                    self.offset[self._row_event], trace.path)
-        self._by_step = np.argsort(self.step, kind="stable")
-        self._by_seq = np.argsort(self.seq_id, kind="stable")
-        self._step_sorted, self._seq_sorted = self.step[self._by_step], self.seq_id[self._by_seq]
-        self._rows_by_seq = np.argsort(self._row_seq, kind="stable")
-        self._row_seq_sorted = self._row_seq[self._rows_by_seq]
-        self.step_offsets = self.offset[self.kind == SCHEDULE]
+        self.offset, self.kind, self.step, self.seq_id, self.t, self.appended = b.columns()
+        b.check(E_TWICE)  # the column errors first, then the step table's
+        self.steps = b.step_table()
+        self.resources = b.resource_table()
+        self._row_seq = b.rows()                          # per batch row (all steps' rows in log order): seq_id
+        b.check(None)
+        del b
+        self._by_step = _Groups(self.step)
+        self._by_seq = _Groups(self.seq_id)
+        self._rows_by_seq = _Groups(self._row_seq)
+        self._sched_event = np.flatnonzero(self.kind == SCHEDULE)             # per step row: its event
+        self._row_end = np.cumsum(self.steps.rows, dtype=np.int64)            # per step row: where its rows end
+        self.step_offsets = self.offset[self._sched_event]
         if trace.clean:
             self._check_footer()
 
     def __len__(self) -> int:
         return len(self.offset)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the numpy arrays the index keeps (its columns, tables and lookups)."""
+        arrays = [self.offset, self.kind, self.step, self.seq_id, self.t, self.appended, self._row_seq,
+                  self._sched_event, self._row_end, self.step_offsets]
+        arrays += [getattr(tab, f) for tab in (self.steps, self.resources) for f in tab.__slots__]
+        return sum(a.nbytes for a in arrays) + sum(g.nbytes for g in (self._by_step, self._by_seq, self._rows_by_seq))
+
     def _check_footer(self) -> None:
         counts, num_steps, step_offsets = self.trace.footer[:3]
-        scanned = {EVENTS[int(k)][0]: int(n) for k, n in zip(*np.unique(self.kind, return_counts=True))}
-        scanned_index = [[int(s), int(o)] for s, o in zip(self.steps.step, self.step_offsets)]
-        if counts != scanned or num_steps != len(self.steps) or step_offsets != scanned_index:
+        per_kind = np.bincount(self.kind, minlength=len(EVENTS))
+        scanned = {EVENTS[k][0]: int(n) for k, n in enumerate(per_kind) if n and k in EVENTS}
+        same_index = type(step_offsets) is list and len(step_offsets) == len(self.steps) and all(
+            type(e) is list and e == [s, o] for e, s, o in zip(step_offsets, self.steps.step.tolist(),
+                                                                  self.step_offsets.tolist()))
+        if counts != scanned or num_steps != len(self.steps) or not same_index:
             raise TraceError(f"{self.trace.path} is damaged: its footer's event counts or step index disagree "
                              f"with its events.")
 
     # ---- random access -------------------------------------------------------------------------
     def events_of_step(self, step: int) -> np.ndarray:
         """Indices of the events that name `step`, in log order."""
-        return self._group(self._by_step, self._step_sorted, step)
+        return self._by_step.positions(step)
 
     def events_of_request(self, seq_id: int) -> np.ndarray:
         """Indices of the events of one request, in log order: those that name it, and the schedule events
         with a row of it."""
-        named = self._group(self._by_seq, self._seq_sorted, seq_id)
-        scheduled = self._row_event[self._group(self._rows_by_seq, self._row_seq_sorted, seq_id)]
+        named = self._by_seq.positions(seq_id)
+        rows = self._rows_by_seq.positions(seq_id)
+        scheduled = self._sched_event[np.searchsorted(self._row_end, rows, "right")]   # the steps they are in
         # a schedule event names no seq_id, so the two are disjoint; a stable sort merges two sorted runs fast
         merged = np.sort(np.concatenate([named, scheduled]), kind="stable")
         return merged[np.concatenate([[True], merged[1:] != merged[:-1]])] if len(merged) else merged
@@ -133,123 +172,423 @@ class TraceIndex:
         return np.flatnonzero(self.kind == KIND[name])
 
     def event_at(self, i: int) -> Event:
-        """The i-th event, decoded on demand."""
-        return self.trace.event_at(int(self.offset[i]))
+        """The i-th event, decoded on demand. The pages of the mapped log it read are handed back to the kernel
+        (they stay in the page cache): the viewer decodes events all over a log (every request_added, every
+        finish, the lines on show), and each read maps 64 KiB around it (the kernel's fault-around), which
+        would stay resident, up to the whole log."""
+        n = len(self.offset)
+        k = int(i) + (n if int(i) < 0 else 0)
+        start = int(self.offset[k])
+        event = self.trace.event_at(start)
+        end = int(self.offset[k + 1]) if k + 1 < n else len(self.trace.data)
+        _release(self.trace.data, start, start + 2 * (end - start) + 4096)   # the reader's doubling windows
+        return event
 
     def step_of_time(self, t: int) -> int:
         """The row of `steps` whose schedule span starts last at or before time `t` (0 if none)."""
         return max(int(np.searchsorted(self.steps.schedule_start, t, side="right")) - 1, 0)
 
-    @staticmethod
-    def _group(order: np.ndarray, ordered: np.ndarray, value: int) -> np.ndarray:
-        """The positions (sorted) whose value is `value`, given `order` that sorts the column into `ordered`.
-        `value` is cast to the column's dtype: a Python int would make numpy convert the whole column first."""
-        info = np.iinfo(ordered.dtype)
+
+class _Groups:
+    """The positions of a column grouped by value, a CSR: `order` (int32 when the column allows) lists the
+    positions sorted by value and, within a value, ascending; value `values[k]` owns order[starts[k]:starts[k+1]].
+    Built by sorting an int64 key (value << 32 | position) in place: no int64 argsort, no sorted copy kept."""
+
+    BLOCK = 1 << 20   # positions converted at a time (temporaries of 8 MiB)
+
+    def __init__(self, column: np.ndarray):
+        n = len(column)
+        self.dtype = column.dtype
+        if n >= 1 << 31 or column.dtype.itemsize > 4:  # beyond the key's 32 bits of position: argsort
+            self.order = np.argsort(column, kind="stable")
+            ordered = column[self.order]
+            cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+            self.values = ordered[np.concatenate([[0], cuts])] if n else ordered
+            self.starts = np.concatenate([[0], cuts, [n]]).astype(np.int64)
+            return
+        key = column.astype(np.int64)
+        key <<= 32
+        for a in range(0, n, self.BLOCK):
+            key[a:a + self.BLOCK] |= np.arange(a, min(a + self.BLOCK, n), dtype=np.int64)
+        key.sort()
+        cuts = [np.zeros(min(n, 1), np.int64)]
+        for a in range(0, n - 1, self.BLOCK):
+            hi = key[a:a + self.BLOCK + 1] >> 32
+            cuts.append(np.flatnonzero(hi[1:] != hi[:-1]) + (a + 1))
+        first = np.concatenate(cuts)
+        self.values = (key[first] >> 32).astype(column.dtype)
+        self.starts = np.concatenate([first, [n]]).astype(np.int64)
+        self.order = np.empty(n, np.int32)
+        for a in range(0, n, self.BLOCK):
+            self.order[a:a + self.BLOCK] = key[a:a + self.BLOCK] & 0xFFFFFFFF
+        del key
+
+    @property
+    def nbytes(self) -> int:
+        return self.order.nbytes + self.values.nbytes + self.starts.nbytes
+
+    def positions(self, value: int) -> np.ndarray:
+        """The positions (ascending, as intp) whose value is `value`. `value` is cast to the column's dtype: a
+        Python int would make numpy convert the whole column first."""
+        info = np.iinfo(self.dtype)
         if not info.min <= value <= info.max:  # e.g. a request id typed by hand: nothing has it
-            return order[:0]
-        value = ordered.dtype.type(value)
-        lo, hi = np.searchsorted(ordered, value, "left"), np.searchsorted(ordered, value, "right")
-        return order[lo:hi]   # ascending: `order` is a stable argsort
+            return np.zeros(0, np.intp)
+        k = int(np.searchsorted(self.values, self.dtype.type(value)))
+        if k == len(self.values) or self.values[k] != value:
+            return np.zeros(0, np.intp)
+        return self.order[self.starts[k]:self.starts[k + 1]].astype(np.intp)
 
 
-class _Rows:
-    """Per-step facts gathered during the scan: the schedule events, and (event index, seq_id) per row."""
+def _scan(trace: TraceFile, progress=None) -> _Build:
+    """One pass over the log, CHUNK_EVENTS events at a time: each chunk's columns, schedule summaries, spans
+    and resource rows become numpy pieces before the next is decoded. The reader's TraceError for an event is
+    raised once the events before it are converted (their own errors come first, as in log order).
 
-    def __init__(self):
-        self.steps: list[tuple[int, int, int, int, int]] = []   # step, kind, rows, tokens, preemptions
-        self.seqs: list[tuple[int, int]] = []
-
-
-def _scan(trace: TraceFile, progress=None):
-    """One pass over the log: the five columns, the schedule summaries, the spans and the resource rows.
-    An event's array gets a -1 appended so that a field it lacks reads as -1 without a branch."""
-    offset, kind, step, seq_id, t = [], [], [], [], []
-    rows, spans = _Rows(), []          # spans: (step, lane, start, end); lane 0-2 a PHASE, 3 the device
-    res: list[tuple] = []              # (event index, kind, seq_id, block or slot)
-    for i, (start, obj) in enumerate(trace.objects()):
-        if progress is not None and i % PROGRESS_EVERY == 0:
-            progress(start)
-        code = obj[0]
-        obj.append(-1)
-        s, q, tt = LAYOUT[code]
-        offset.append(start)
-        kind.append(code)
-        step.append(obj[s])
-        seq_id.append(obj[q])
-        t.append(obj[tt])
-        if code == SCHEDULE:
-            _schedule(obj, i, start, rows, trace)
-        elif code == CPU_SPAN:
-            spans.append((obj[1], obj[2], obj[3], obj[4]))
-        elif code == DEVICE_SPAN:
-            spans.append((obj[1], len(PHASES), obj[2], obj[3]))
-        elif code in BLOCK_EVENTS:
-            if type(obj[3]) is not list:
-                raise TraceError(f"{trace.path} is damaged at byte {start}: its block_ids are not a list.")
-            res.extend((i, code, obj[2], b) for b in obj[3])
-        elif code in SLOT_EVENTS:
-            res.append((i, code, obj[2], obj[3]))
-    return offset, kind, step, seq_id, t, rows, spans, res
-
-
-def _schedule(obj: list, i: int, start: int, rows: _Rows, trace: TraceFile) -> None:
-    _, _, step, kind, batch, preempted, _ = obj
+    The cyclic garbage collector is off meanwhile (the scan makes no cycles): a chunk's decoded events are
+    alive together, and each of its collections would walk them all, a third of the scan's time."""
+    b = _Build(trace)
+    objects = trace.objects()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        rows.steps.append((step, kind, len(batch), sum(len(r[3]) for r in batch), len(preempted)))
-        rows.seqs.extend((i, r[0]) for r in batch)
-    except (TypeError, IndexError):
-        raise TraceError(f"{trace.path} is damaged at byte {start}: a schedule event with malformed rows.") \
-            from None
+        done = False
+        while not done:
+            chunk, done, error = _chunk(objects)
+            if chunk:
+                if progress is not None:   # at every PROGRESS_EVERY-th event, with its offset
+                    for k in range(-b.n % PROGRESS_EVERY, len(chunk), PROGRESS_EVERY):
+                        progress(chunk[k][0])
+                b.add(chunk)
+                b.release_pages(chunk[-1][0])
+            if error is not None:
+                raise error
+        return b
+    finally:
+        if collecting:
+            gc.enable()
 
 
-def _int_column(values: list, dtype, name: str, offset: np.ndarray, path) -> np.ndarray:
-    """A column of Python ints as `dtype`; TraceError naming the first event whose value is not an
-    integer in range (msgpack hands back whatever a damaged log holds: floats, strings, lists)."""
+def _chunk(objects) -> tuple[list, bool, TraceError | None]:
+    """The next (offset, event) pairs: CHUNK_EVENTS at most, spanning CHUNK_BYTES at most (and one event, which
+    the reader bounds), so that the decoded events alive together stay a few MB whatever their size. Returns
+    (the pairs, whether the log ends there, the reader's error after them if any)."""
+    chunk: list = []
     try:
-        a = np.array(values) if values else np.zeros(0, np.int64)
+        first = next(objects, None)
+        if first is None:
+            return chunk, True, None
+        chunk.append(first)
+        limit, append = first[0] + CHUNK_BYTES, chunk.append
+        for item in islice(objects, CHUNK_EVENTS - 1):
+            append(item)
+            if item[0] >= limit:
+                return chunk, False, None
+        return chunk, len(chunk) < CHUNK_EVENTS, None
+    except TraceError as e:   # the events before it stay in `chunk`
+        return chunk, True, e
+
+
+class _Build:
+    """The pieces of the index, chunk by chunk, and the first damage found in each category (E_*)."""
+
+    def __init__(self, trace: TraceFile):
+        self.trace, self.path, self.n = trace, trace.path, 0
+        self.errors: dict[int, str] = {}
+        self.released = 0                 # bytes of the mapped log handed back to the kernel
+        # the five columns: preallocated from a clean log's footer if its counts are plausible, else pieces
+        self.cols: list[list[np.ndarray]] = [[] for _ in _DTYPES]
+        self.full: list[np.ndarray] | None = None
+        claimed = _claimed_events(trace)
+        if claimed is not None:
+            self.full = [np.empty(claimed, dt) for dt in _DTYPES]
+        self.sched: list[list[np.ndarray]] = [[], [], [], [], []]   # step, kind, rows, tokens, preemptions
+        self.spans: list[list[np.ndarray]] = [[], [], [], []]       # step, lane, start, end
+        self.res: list[list[np.ndarray]] = [[], [], [], []]         # event, kind, seq_id, resource
+        self.row_seq: list[np.ndarray] = []
+
+    def fail(self, category: int, message: str) -> None:
+        self.errors.setdefault(category, message)
+
+    def check(self, before: int | None) -> None:
+        """Raise the first error of a category before `before` (None: of any category)."""
+        found = [c for c in self.errors if before is None or c < before]
+        if found:
+            raise TraceError(self.errors[min(found)])
+
+    def release_pages(self, upto: int) -> None:
+        """Hand the scanned pages of the mapped log (up to byte `upto`) back to the kernel: they are in the page
+        cache still, and an event read later maps its page again. Without it a log read once stays resident."""
+        data = self.trace.data
+        end = upto - upto % mmap.PAGESIZE
+        if end - self.released < RELEASE_BYTES or not isinstance(data, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        try:
+            data.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
+            self.released = end
+        except (OSError, ValueError):
+            self.released = len(data)  # not supported here: stop trying
+
+    # ---- one chunk -------------------------------------------------------------------------------
+    def add(self, chunk: list) -> None:
+        base, n = self.n, len(chunk)
+        starts, objs = zip(*chunk)
+        offset = np.array(starts, np.int64)
+        kind = np.array(list(map(_first, objs)), np.uint8)
+        cols = []
+        for at, dtype, category, name in ((_STEP_AT, np.int32, E_STEP, "step"), (_SEQ_AT, np.int32, E_SEQ, "seq_id"),
+                                          (_T_AT, np.int64, E_TIME, "time")):
+            pos = at[kind]
+            col = self._column(list(map(getitem, objs, pos.tolist())), dtype, category, name, starts)
+            col[pos == 0] = -1   # a field the kind lacks
+            cols.append(col)
+        appended = np.zeros(n, bool)   # a token event's last field, True only if it is the bool True
+        tokens = np.flatnonzero(kind == TOKEN).tolist()
+        if tokens:
+            appended[tokens] = [objs[j][7] is True for j in tokens]
+        self._put((offset, kind, *cols, appended))
+        self._spans(objs, kind)
+        self._special(objs, kind, starts, base)
+        self.n += n
+
+    def _put(self, pieces) -> None:
+        a, b = self.n, self.n + len(pieces[0])
+        if self.full is not None and b > len(self.full[0]):   # more events than the footer counts: pieces
+            self.cols = [[col[:a]] for col in self.full]
+            self.full = None
+        if self.full is not None:
+            for col, piece in zip(self.full, pieces):
+                col[a:b] = piece
+        else:
+            for col, piece in zip(self.cols, pieces):
+                col.append(piece)
+
+    def _column(self, values: list, dtype, category: int, name: str, starts: list) -> np.ndarray:
+        """A chunk's column as `dtype`; the first event whose value is not an integer in range is noted."""
+        info = np.iinfo(dtype)
+        a = _ints(values)
+        if a is not None:
+            bad = np.flatnonzero((a < info.min) | (a > info.max)) if len(a) else []
+        else:  # which one: a slow path, for the message
+            bad = [i for i, v in enumerate(values) if type(v) is not int or not info.min <= v <= info.max] or [0]
+        if len(bad):
+            self.fail(category, f"{self.path} is damaged at byte {starts[bad[0]]}: its {name} is not a "
+                                f"{dtype.__name__}.")
+            return np.zeros(len(values), dtype)
+        return a.astype(dtype)
+
+    def _spans(self, objs: list, kind: np.ndarray) -> None:
+        """(step, lane, start, end) of the CPU and device spans, in log order; lane 0-2 a PHASE, 3 the device.
+        Only the last span of a (step, lane) in the chunk is kept: it is the one the step table shows."""
+        at = np.flatnonzero((kind == CPU_SPAN) | (kind == DEVICE_SPAN)).tolist()
+        if not at:
+            return
+        sp = [objs[j] for j in at]
+        cols = [[o[1] for o in sp], [o[2] if o[0] == CPU_SPAN else len(PHASES) for o in sp],
+                [o[3] if o[0] == CPU_SPAN else o[2] for o in sp], [o[4] if o[0] == CPU_SPAN else o[3] for o in sp]]
+        arrays = [_ints(c) for c in cols]
+        if any(a is None for a in arrays):
+            self.fail(E_TABLE_INT, f"{self.path} is damaged: a schedule or span event has a field that is not an "
+                                   f"integer.")
+            return
+        step, lane, start, end = arrays
+        if len(step) > 1:
+            order = np.lexsort((np.arange(len(step)), lane, step))   # by step, lane, then log order
+            last = np.ones(len(order), bool)
+            last[:-1] = (step[order][1:] != step[order][:-1]) | (lane[order][1:] != lane[order][:-1])
+            keep = np.sort(order[last])
+            step, lane, start, end = step[keep], lane[keep], start[keep], end[keep]
+        for col, piece in zip(self.spans, (step, lane, start, end)):
+            col.append(piece)
+
+    def _special(self, objs: list, kind: np.ndarray, starts: list, base: int) -> None:
+        """Schedule events (summaries and rows) and block and slot events (resource rows), in log order."""
+        sched: list[tuple] = []
+        row_event: list[int] = []
+        row_seq: list = []
+        res = _Resources(self)
+        for j in np.flatnonzero(_SPECIAL[kind]).tolist():
+            obj, code, i = objs[j], objs[j][0], base + j
+            if code == SCHEDULE:
+                _, _, step, bkind, batch, preempted = obj
+                try:
+                    sched.append((step, bkind, len(batch), sum(map(len, map(_fourth, batch))), len(preempted)))
+                    seqs = list(map(_first, batch))
+                except (TypeError, IndexError):
+                    raise TraceError(f"{self.path} is damaged at byte {starts[j]}: a schedule event with malformed "
+                                     f"rows.") from None
+                row_event.extend(repeat(i, len(seqs)))
+                row_seq.extend(seqs)
+            elif code in BLOCK_EVENTS:
+                if type(obj[3]) is not list:
+                    raise TraceError(f"{self.path} is damaged at byte {starts[j]}: its block_ids are not a list.")
+                res.add(i, code, obj[2], obj[3])
+            else:
+                res.add(i, code, obj[2], [obj[3]])
+        res.flush()
+        if sched:
+            cols = [_ints(c) for c in zip(*sched)]
+            if any(c is None for c in cols):
+                self.fail(E_TABLE_INT, f"{self.path} is damaged: a schedule or span event has a field that is not "
+                                       f"an integer.")
+            else:
+                for col, piece, dt in zip(self.sched, cols, (np.int32, np.uint8, np.int32, np.int32, np.int32)):
+                    col.append(piece.astype(dt))
+        if row_seq:
+            events = np.array(row_event, np.int64)
+            seq = _ints(row_seq)
+            info = np.iinfo(np.int32)
+            if seq is not None:
+                bad = np.flatnonzero((seq < info.min) | (seq > info.max))
+            else:
+                bad = [k for k, v in enumerate(row_seq) if type(v) is not int or not info.min <= v <= info.max]
+            if len(bad):
+                self.fail(E_ROW_SEQ, f"{self.path} is damaged at byte {starts[int(events[bad[0]]) - base]}: its "
+                                     f"row's seq_id is not a int32.")
+            else:
+                self.row_seq.append(seq.astype(np.int32))
+
+    # ---- the end ---------------------------------------------------------------------------------
+    def columns(self) -> list[np.ndarray]:
+        """offset, kind, step, seq_id, t, appended; the pieces are freed as they are joined."""
+        if self.full is not None:
+            out = [col[:self.n] for col in self.full]
+            self.full = None
+            return [col if col.base is None or len(col) == len(col.base) else col.copy() for col in out]
+        return [_join(col, dt) for col, dt in zip(self.cols, _DTYPES)]
+
+    def step_table(self) -> StepTable:
+        step, kind, rows, tokens, preempted = (_join(c, dt) for c, dt in
+                                               zip(self.sched, (np.int32, np.uint8, np.int32, np.int32, np.int32)))
+        span_step, lane, start, end = (_join(c, np.int64) for c in self.spans)
+        n, path = len(step), self.path
+        order = np.argsort(step, kind="stable")
+        sorted_steps = step[order]
+        if n > 1 and np.any(sorted_steps[1:] == sorted_steps[:-1]):
+            raise TraceError(f"{path} is damaged: a step is scheduled twice.")
+        pos = np.minimum(np.searchsorted(sorted_steps, span_step), max(n - 1, 0))
+        if len(span_step) and (n == 0 or np.any(sorted_steps[pos] != span_step)
+                               or np.any((lane < 0) | (lane > len(PHASES)))):
+            raise TraceError(f"{path} is damaged: a span names a step that was never scheduled, or no lane.")
+        times = np.full((len(PHASES) + 1, 2, n), -1, dtype=np.int64)   # lane, start/end, step row
+        r = order[pos]
+        times[lane, 0, r], times[lane, 1, r] = start, end
+        self.check(None)  # a resource or row error before the footer's
+        return StepTable(step, kind, rows, tokens, preempted, *times.reshape(2 * (len(PHASES) + 1), n))
+
+    def resource_table(self) -> ResourceTable:
+        return ResourceTable(*(_join(c, dt) for c, dt in zip(self.res, (np.int64, np.uint8, np.int32, np.int32))))
+
+    def rows(self) -> np.ndarray:
+        return _join(self.row_seq, np.int32)
+
+
+class _Resources:
+    """A chunk's block and slot events gathered into resource rows; a long id list is converted alone."""
+
+    def __init__(self, build: _Build):
+        self.build = build
+        self.events: list[int] = []
+        self.codes: list[int] = []
+        self.seqs: list = []
+        self.lens: list[int] = []
+        self.ids: list = []
+
+    def add(self, i: int, code: int, seq, ids: list) -> None:
+        if not ids:
+            return
+        if len(ids) > BIG_LIST:
+            self.flush()
+            self._convert([i], [code], [seq], [len(ids)], ids)
+            return
+        self.events.append(i)
+        self.codes.append(code)
+        self.seqs.append(seq)
+        self.lens.append(len(ids))
+        self.ids.extend(ids)
+        if len(self.ids) > BIG_LIST:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.events:
+            self._convert(self.events, self.codes, self.seqs, self.lens, self.ids)
+            self.__init__(self.build)
+
+    def _convert(self, events, codes, seqs, lens, ids) -> None:
+        b = self.build
+        if E_RES_INT in b.errors:
+            return
+        seq, rid = _ints(seqs), _ints(ids)
+        if seq is None or rid is None:
+            b.fail(E_RES_INT, f"{b.path} is damaged: a block or slot event has a field that is not an integer.")
+            return
+        top = np.iinfo(np.int32).max
+        if seq.min() < 0 or seq.max() > top or rid.min() < 0 or rid.max() > top:
+            b.fail(E_RES_RANGE, f"{b.path} is damaged: a block or slot event names a negative or huge id.")
+            return
+        lens = np.array(lens, np.int64)
+        pieces = (np.repeat(np.array(events, np.int64), lens), np.repeat(np.array(codes, np.uint8), lens),
+                  np.repeat(seq.astype(np.int32), lens), rid.astype(np.int32))
+        for col, piece in zip(b.res, pieces):
+            col.append(piece)
+
+
+_DTYPES = (np.int64, np.uint8, np.int32, np.int32, np.int64, np.bool_)   # offset, kind, step, seq_id, t, appended
+
+
+FAULT_AROUND = 1 << 16   # bytes the kernel maps around a page fault of a file mapping (fault_around_bytes)
+
+
+def _release(data, start: int, end: int) -> None:
+    """madvise(MADV_DONTNEED) the mapped log's 64 KiB blocks that bytes [start, end) touch, if it can."""
+    if not isinstance(data, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    a = start - start % FAULT_AROUND
+    b = min(end + (-end) % FAULT_AROUND, len(data))
+    if a < b:
+        try:
+            data.madvise(mmap.MADV_DONTNEED, a, b - a)
+        except (OSError, ValueError):
+            pass
+
+
+def _claimed_events(trace: TraceFile) -> int | None:
+    """The events a clean log's footer counts, if that many fit in its bytes (a claim is no allocation)."""
+    if not trace.clean or type(trace.footer[0]) is not dict:
+        return None
+    counts = trace.footer[0].values()
+    if not all(type(c) is int and c >= 0 for c in counts):
+        return None
+    n = sum(counts)
+    return n if n * MIN_EVENT_BYTES <= trace.footer_offset - trace.body_offset else None
+
+
+def _ints(values) -> np.ndarray | None:
+    """`values` (a list or tuple) as int64, or None if one is not an integer within int64 (bools count as 0
+    and 1, as numpy reads them among ints)."""
+    try:
+        a = np.array(values) if len(values) else np.zeros(0, np.int64)
     except (ValueError, TypeError, OverflowError):  # lists among the ints
-        a = np.zeros(0, np.float64)
-    info = np.iinfo(dtype)
-    if a.dtype.kind in "iu" and a.ndim == 1:
-        bad = np.flatnonzero((a < info.min) | (a > info.max))
-    else:  # which one: a slow path, for the message
-        bad = [i for i, v in enumerate(values) if type(v) is not int or not info.min <= v <= info.max]
-    if len(bad):
-        raise TraceError(f"{path} is damaged at byte {offset[bad[0]]}: its {name} is not a {dtype.__name__}.")
-    return a.astype(dtype)
+        return None
+    if a.ndim != 1:
+        return None
+    if a.dtype.kind == "u" and len(a) and a.max() > np.iinfo(np.int64).max:
+        return None
+    if a.dtype.kind not in "iub":
+        return None
+    return a.astype(np.int64, copy=False)
 
 
-def _step_table(rows: _Rows, spans: list, path) -> StepTable:
-    n = len(rows.steps)
-    cols = _int_rows(rows.steps, 5, path)
-    span = _int_rows(spans, 4, path)
-    order = np.argsort(cols[:, 0], kind="stable")
-    sorted_steps = cols[order, 0]
-    if n > 1 and np.any(sorted_steps[1:] == sorted_steps[:-1]):
-        raise TraceError(f"{path} is damaged: a step is scheduled twice.")
-    pos = np.minimum(np.searchsorted(sorted_steps, span[:, 0]), max(n - 1, 0))
-    lane = span[:, 1]
-    if len(span) and (n == 0 or np.any(sorted_steps[pos] != span[:, 0]) or np.any((lane < 0) | (lane > len(PHASES)))):
-        raise TraceError(f"{path} is damaged: a span names a step that was never scheduled, or no lane.")
-    times = np.full((len(PHASES) + 1, 2, n), -1, dtype=np.int64)   # lane, start/end, step row
-    r = order[pos]
-    times[lane, 0, r], times[lane, 1, r] = span[:, 2], span[:, 3]
-    return StepTable(cols[:, 0].astype(np.int32), cols[:, 1].astype(np.uint8), *cols[:, 2:].T.astype(np.int32),
-                     *times.reshape(2 * (len(PHASES) + 1), n))
-
-
-def _resource_table(res: list, path) -> ResourceTable:
-    a = _int_rows(res, 4, path, "a block or slot event")
-    if len(a) and (a[:, 2:].min() < 0 or a[:, 2:].max() > np.iinfo(np.int32).max):
-        raise TraceError(f"{path} is damaged: a block or slot event names a negative or huge id.")
-    return ResourceTable(a[:, 0], a[:, 1].astype(np.uint8), a[:, 2].astype(np.int32), a[:, 3].astype(np.int32))
-
-
-def _int_rows(rows: list, width: int, path, what: str = "a schedule or span event") -> np.ndarray:
-    try:
-        a = np.array(rows) if rows else np.zeros((0, width), np.int64)
-    except (ValueError, TypeError, OverflowError):
-        a = np.zeros(0, np.float64)
-    if a.dtype.kind not in "iu" or a.shape != (len(rows), width):
-        raise TraceError(f"{path} is damaged: {what} has a field that is not an integer.")
-    return a.astype(np.int64)
+def _join(pieces: list[np.ndarray], dtype) -> np.ndarray:
+    """The pieces end to end as one array, each freed once copied (the result's pages are touched as they are
+    written, so the peak is the pieces and little more, not twice them)."""
+    if len(pieces) == 1 and pieces[0].dtype == dtype:
+        return pieces.pop()
+    out = np.empty(sum(len(p) for p in pieces), dtype)
+    pos = 0
+    pieces.reverse()
+    while pieces:
+        p = pieces.pop()
+        out[pos:pos + len(p)] = p
+        pos += len(p)
+        del p
+    return out

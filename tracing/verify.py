@@ -44,6 +44,13 @@ A log cut short is checked up to its last complete event; the result then holds 
 `violation=False`) that says so, and no end-of-run findings: `mdi-trace verify` exits 0 unless a finding is
 a violation.
 
+Memory is bounded by the log, not by what it claims (issue #17): the result (`Findings`, a list) keeps the first
+MAX_FINDINGS violations and counts every one in `total`; a block_alloc naming ids outside the header's pool
+(`engine.num_kv_blocks`) is one finding for the event, not one per id; who owns each block or slot is a list
+indexed by id, sized by the pool (a dict of the held ones when the header names no pool, or a huge one); a
+request's block table grows past the pool only by legal allocations; and the lists a message shows are cut
+to their first SHOWN entries.
+
 A run of several ranks (tracing/ranks.py) is checked by `verify_run`: every rank's log as above (each rank
 runs its own scheduler, so each proves its own promises), plus what ties the ranks together: request ids
 partitioned by rank (rank r of N holds ids r mod N, so no request is on two ranks) and one configuration
@@ -68,6 +75,10 @@ SHARED_HEADER = ("checkpoint_digest", "model", "model_source", "dtype", "engine"
 RELEASE_EVENTS = ("epoch_bump", "block_free", "slot_free", "finish")  # what may follow a cancel (Scheduler.abort)
 BUMP_REASON = {"preempt": "preempt", "cancel": "abort"}              # the event before an epoch bump -> its reason
 NO_TIME = float("-inf")                                              # before the first clock reading
+MAX_FINDINGS = 100        # violations kept (in log order); the rest are counted in Findings.total
+SHOWN = 32                # entries of a list (block ids, steps, requests) that a message shows
+LIST_POOL = 1 << 20       # pools up to this size get an owner list indexed by id; larger ones a dict
+FREE = None               # the owner of a block or slot that nobody holds (a seq_id is an int, never None)
 
 
 @dataclass(slots=True)
@@ -86,6 +97,87 @@ class Finding:
         if self.seq_id is not None:
             where += f", request {self.seq_id}"
         return f"{where}: {self.message}"
+
+
+class Findings(list):
+    """The findings of a log or a run, in order: the first `limit` violations and every note (`violation=False`,
+    a few at most); `total` counts every violation found, kept or not, so `total - kept` were left out."""
+
+    def __init__(self, findings=(), limit: int = MAX_FINDINGS):
+        super().__init__()
+        self.limit, self.total, self.kept = limit, 0, 0
+        for f in findings:
+            self.add(f)
+
+    @property
+    def full(self) -> bool:
+        """Whether a further violation is only counted."""
+        return self.kept >= self.limit
+
+    def add(self, f: Finding) -> Finding | None:
+        """Keep `f` (a note always, a violation while there is room) and count it; returns it if kept."""
+        if f.violation:
+            self.total += 1
+            if self.kept >= self.limit:
+                return None
+            self.kept += 1
+        self.append(f)
+        return f
+
+    def merge(self, other: Findings, rank: int | None = None) -> None:
+        """Add `other`'s findings (with their rank set) and count the violations it left out."""
+        for f in other:
+            if rank is not None:
+                f.rank = rank
+            self.add(f)
+        self.total += other.total - other.kept
+
+
+class _Pool:
+    """Who holds each KV block (or state slot): `owner[i]`, FREE for nobody. A list indexed by id when the
+    header's pool size is known and at most LIST_POOL (ids outside the pool are never held: `inside`), else a
+    dict of the held ones, which returns FREE for the others."""
+
+    def __init__(self, size):
+        self.size = size if type(size) is int and size >= 0 else None
+        self.owner = [FREE] * self.size if self.size is not None and self.size <= LIST_POOL else _Held()
+
+    def inside(self, i) -> bool:
+        """Whether `i` is an id of the pool (any id when its size is unknown); TypeError for a non-number."""
+        return self.size is None or 0 <= i < self.size
+
+    def get(self, i):
+        return self.owner[i] if self.inside(i) else FREE
+
+    def release(self, i) -> None:
+        if type(self.owner) is list:
+            self.owner[i] = FREE
+        else:
+            self.owner.pop(i, None)
+
+    def held(self) -> list[tuple]:
+        """(id, owner) of every held id, by id."""
+        if type(self.owner) is list:
+            return [(i, s) for i, s in enumerate(self.owner) if s is not FREE]
+        try:
+            return sorted(self.owner.items())
+        except TypeError:  # ids of several types (a damaged log): in allocation order
+            return list(self.owner.items())
+
+
+class _Held(dict):
+    def __missing__(self, key):
+        return FREE
+
+
+def _short(values, shown: int = SHOWN, total: int | None = None) -> str:
+    """A list as Python prints it, cut to its first `shown` entries with the count (`total`, default its
+    length) when longer: `[1, 2, ...] (4,194,304 in all)`."""
+    values = list(values)
+    total = len(values) if total is None else total
+    if total <= shown and len(values) == total:
+        return str(values)
+    return f"{str(values[:shown])[:-1]}, ...] ({total:,} in all)"
 
 
 @dataclass(slots=True)
@@ -110,8 +202,9 @@ class _Request:
         return len(self.tokens) + self.inflight(before_step)
 
 
-def verify(trace: TraceFile) -> list[Finding]:
-    """Every finding in the log, in event order (ARCHITECTURE.md §2 promise 2, §3 the step contract)."""
+def verify(trace: TraceFile) -> Findings:
+    """The findings in the log, in event order (ARCHITECTURE.md §2 promise 2, §3 the step contract): the first
+    MAX_FINDINGS violations kept, every one counted in `.total`."""
     v = _Verifier(trace.header)
     for event in trace.events():
         v.feed(event)
@@ -119,20 +212,19 @@ def verify(trace: TraceFile) -> list[Finding]:
     return v.findings
 
 
-def verify_run(run) -> list[Finding]:
-    """Every finding of a `tracing.ranks.Run` (of its `selected` ranks): each rank's log in rank order
+def verify_run(run) -> Findings:
+    """The findings of a `tracing.ranks.Run` (of its `selected` ranks): each rank's log in rank order
     (findings carry their rank when there are several), then each rank's header fields of SHARED_HEADER
-    that differ from rank 0's."""
+    that differ from rank 0's. The first MAX_FINDINGS violations of the run are kept, all counted in `.total`."""
     if run.world_size == 1:
         return verify(run.traces[0])
-    findings = []
+    findings = Findings()
     for rank in run.selected:
         trace = run.traces[rank]
-        for f in verify(trace):
-            f.rank = rank
-            findings.append(f)
-        findings += [Finding(None, None, None, f"its header's {key} differs from rank 0's", rank=rank)
-                     for key in SHARED_HEADER if trace.header.get(key) != run.header.get(key)]
+        findings.merge(verify(trace), rank)
+        for key in SHARED_HEADER:
+            if trace.header.get(key) != run.header.get(key):
+                findings.add(Finding(None, None, None, f"its header's {key} differs from rank 0's", rank=rank))
     return findings
 
 
@@ -146,8 +238,8 @@ class _Verifier:
         self.num_blocks, self.num_slots = engine.get("num_kv_blocks"), engine.get("num_state_slots")
         self.rank, self.world_size = header.get("rank") or 0, header.get("world_size") or 1
         self.reqs: dict[int, _Request] = {}
-        self.block_owner: dict[int, int] = {}
-        self.slot_owner: dict[int, int] = {}
+        self.block_owner, self.slot_owner = _Pool(self.num_blocks), _Pool(self.num_slots)
+        self.num_blocks, self.num_slots = self.block_owner.size, self.slot_owner.size  # None unless a sane int
         self.step = 0                          # the step being scheduled: schedule events so far
         self.preempted: list[int] = []         # preemptions since the last schedule event
         self.reservations: dict[int, tuple[int, int]] = {}  # this step's: seq_id -> (epoch, output_position)
@@ -161,12 +253,23 @@ class _Verifier:
         self.host_time = NO_TIME               # the host's last clock reading: an event's t or a CPU span's end
         self.cpu_end = NO_TIME                 # where the last CPU span ends
         self.device_last = (-1, NO_TIME)       # the last device span's step and end
-        self.findings: list[Finding] = []
+        self.findings = Findings()
 
-    def fail(self, seq_id: int | None, message: str) -> None:
+    def fail(self, seq_id: int | None, message: str) -> Finding | None:
+        """Report a violation at the current event; returns the Finding if it is kept."""
+        if self.findings.full:
+            self.findings.total += 1
+            return None
         e = self.event  # None at the end of the log
         step = None if e is None else e.step if "step" in EVENTS[KIND[e.kind]][1] else self.step
-        self.findings.append(Finding(step, seq_id, None if e is None else e.offset, message))
+        return self.findings.add(Finding(step, seq_id, None if e is None else e.offset, message))
+
+    def counted(self) -> bool:
+        """True (and the violation counted) when findings are full: a loop over ids skips the message."""
+        if self.findings.full:
+            self.findings.total += 1
+            return True
+        return False
 
     def feed(self, event: Event) -> None:
         self.event = event
@@ -179,7 +282,7 @@ class _Verifier:
             if handler is not None:
                 handler(*event.fields)
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            self.fail(None, f"a malformed {event.kind} event ({type(e).__name__}: {e})")
+            self.fail(None, f"a malformed {event.kind} event ({type(e).__name__}: {str(e)[:200]})")
         self.prev = event
 
     # ---- order: what must follow a preemption, a cancellation, a free ------------------------------
@@ -216,63 +319,105 @@ class _Verifier:
         self.waiting.append(s)
 
     # A resource given to a second owner stays with the first in `block_owner`/`slot_owner` and enters the
-    # second's table too (as in the log): one finding, not one per later row.
+    # second's table too (as in the log): one finding, not one per later row. An id outside the pool is one
+    # finding for the event; it enters the request's table (so that its rows and its free agree) but no owner
+    # list. A table grows past the pool's size only by free blocks, so ids allocated again and again (each one
+    # counted) cost no memory.
     def on_block_alloc(self, t, s, block_ids) -> None:
         req = self.live(s)
+        table = None if req is None else req.blocks
+        pool = self.block_owner
+        n, owner = pool.size, pool.owner
+        outside, shown, note = 0, [], None
         for b in block_ids:
-            self._take(self.block_owner, "block", b, s, self.num_blocks)
-            if req is not None:
-                req.blocks.append(b)
+            if n is not None and not 0 <= b < n:
+                if not outside:
+                    note = self.fail(s, f"block {b} allocated, outside the pool of {n}")
+                outside += 1
+                if len(shown) < SHOWN:
+                    shown.append(b)
+                if table is not None and len(table) < n:
+                    table.append(b)
+                continue
+            holder = owner[b]
+            if holder is FREE:
+                owner[b] = s
+                if table is not None:
+                    table.append(b)
+                continue
+            if not self.counted():
+                self.fail(s, f"block {b} allocated while owned by request {holder}")
+            if table is not None and (n is None or len(table) < n):
+                table.append(b)
+        if outside > 1 and note is not None:
+            note.message = f"blocks {_short(shown, total=outside)} allocated, outside the pool of {n}"
 
     def on_slot_alloc(self, t, s, slot) -> None:
         req = self.live(s)
-        self._take(self.slot_owner, "slot", slot, s, self.num_slots)
+        pool = self.slot_owner
+        if not pool.inside(slot):
+            self.fail(s, f"slot {slot} allocated, outside the pool of {pool.size}")
+        elif pool.owner[slot] is not FREE:
+            self.fail(s, f"slot {slot} allocated while owned by request {pool.owner[slot]}")
+        else:
+            pool.owner[slot] = s
         if req is not None:
             if req.slot is not None:
                 self.fail(s, f"slot {slot} allocated while the request holds slot {req.slot}")
             req.slot = slot
 
-    def _take(self, owner: dict[int, int], what: str, i: int, s: int, n: int | None) -> None:
-        if n is not None and not 0 <= i < n:
-            self.fail(s, f"{what} {i} allocated, outside the pool of {n}")
-        if i in owner:
-            self.fail(s, f"{what} {i} allocated while owned by request {owner[i]}")
-        else:
-            owner[i] = s
-
     def on_block_free(self, t, s, block_ids) -> None:
         req = self.live(s)
+        known = self.reqs.get(s)             # a finished request too: its (emptied) table is checked
+        held = Counter(known.blocks) if known is not None else Counter()  # the table, as a multiset
+        gone: Counter = Counter()
         for b in block_ids:
-            self._give_back(self.block_owner, "block", b, s)
-            if req is not None and b in req.blocks:
-                req.blocks.remove(b)
+            mine = held[b] > 0
+            self._give_back(self.block_owner, "block", b, s, mine)
+            if req is not None and mine:
+                held[b] -= 1
+                gone[b] += 1
+        if gone:  # each id freed leaves the table once, its first occurrence (list.remove)
+            kept = []
+            for b in req.blocks:
+                if gone[b] > 0:
+                    gone[b] -= 1
+                else:
+                    kept.append(b)
+            req.blocks = kept
         self.freeing = s
 
     def on_slot_free(self, t, s, slot) -> None:
         req = self.live(s)
-        self._give_back(self.slot_owner, "slot", slot, s)
+        known = self.reqs.get(s)
+        self._give_back(self.slot_owner, "slot", slot, s, known is not None and known.slot == slot)
         if req is not None and req.slot == slot:
             req.slot = None
         self.freeing = s
 
-    def _give_back(self, owner: dict[int, int], what: str, i: int, s: int) -> None:
-        if owner.get(i) == s:
-            del owner[i]
-        elif i not in owner or s not in self.reqs or i not in (self.reqs[s].blocks if what == "block"
-                                                                else [self.reqs[s].slot]):
-            by = "no request" if i not in owner else f"request {owner[i]}"
-            self.fail(s, f"{what} {i} freed while owned by {by}")
+    def _give_back(self, pool: _Pool, what: str, i, s, mine: bool) -> None:
+        """Free `i` from request `s`; `mine`: whether it is in the request's own table (or its slot)."""
+        holder = pool.get(i)
+        if holder is not FREE and holder == s:
+            pool.release(i)
+        elif mine and not pool.inside(i):  # outside the pool: reported when it was allocated
+            return
+        elif holder is FREE or s not in self.reqs or not mine:
+            if not self.counted():
+                by = "no request" if holder is FREE else f"request {holder}"
+                self.fail(s, f"{what} {i} freed while owned by {by}")
 
     def owns_nothing(self, s: int, req: _Request, when: str) -> None:
         """After a preemption or finish. What it still holds is reported once, then taken as released."""
-        held = ([f"blocks {req.blocks}"] if req.blocks else []) + ([f"slot {req.slot}"] if req.slot is not None else [])
+        held = ([f"blocks {_short(req.blocks)}"] if req.blocks else []) + \
+            ([f"slot {req.slot}"] if req.slot is not None else [])
         if held:
             self.fail(s, f"still owns {' and '.join(held)} at its {when}")
             for b in req.blocks:
                 if self.block_owner.get(b) == s:
-                    del self.block_owner[b]
-            if self.slot_owner.get(req.slot) == s:
-                del self.slot_owner[req.slot]
+                    self.block_owner.release(b)
+            if req.slot is not None and self.slot_owner.get(req.slot) == s:
+                self.slot_owner.release(req.slot)
             req.blocks, req.slot = [], None
 
     # ---- preemption, cancellation, finish, epochs --------------------------------------------------
@@ -335,8 +480,8 @@ class _Verifier:
         if step != self.step:
             self.fail(None, f"step {step} scheduled where step {self.step} comes next")
         if sorted(preempted) != sorted(self.preempted):
-            self.fail(None, f"the batch lists preempted requests {sorted(preempted)}, the events preempted "
-                            f"{sorted(self.preempted)}")
+            self.fail(None, f"the batch lists preempted requests {_short(sorted(preempted))}, the events "
+                            f"preempted {_short(sorted(self.preempted))}")
         kind, rows = BATCH_KINDS[kind], [Row(*r) for r in rows]
         self.check_admission(kind, rows)
         seen: set[int] = set()
@@ -395,8 +540,8 @@ class _Verifier:
         if r.epoch != req.epoch:
             return f"a {kind} row at epoch {r.epoch}, the request is at epoch {req.epoch}"
         if list(r.block_table) != req.blocks or r.state_slot != req.slot:
-            return (f"a {kind} row uses blocks {list(r.block_table)} and slot {r.state_slot}, the request owns "
-                    f"blocks {req.blocks} and slot {req.slot}")
+            return (f"a {kind} row uses blocks {_short(r.block_table)} and slot {r.state_slot}, the request "
+                    f"owns blocks {_short(req.blocks)} and slot {req.slot}")
         check = self._decode_problem if kind == "decode" else self._prefill_problem
         problem = check(req, r, inflight)
         if problem is not None:
@@ -504,7 +649,7 @@ class _Verifier:
     def end(self, trace: TraceFile) -> None:
         self.event = None
         if trace.cut is not None:
-            self.findings.append(Finding(None, None, trace.cut.offset, f"{trace.cut}; verified up to there, "
+            self.findings.add(Finding(None, None, trace.cut.offset, f"{trace.cut}; verified up to there, "
                                          "without the end-of-run checks", violation=False))
             return
         self._check_order("footer", None)
@@ -512,13 +657,17 @@ class _Verifier:
             if req.finish is None:
                 self.fail(s, "the request never finished")
             if req.reserved:
-                self.fail(s, f"reservations of steps {sorted(req.reserved)} never answered by a token")
-        held: dict[int, list[str]] = {}
-        for owner, what in ((self.block_owner, "block"), (self.slot_owner, "slot")):
-            for i, s in sorted(owner.items()):
-                held.setdefault(s, []).append(f"{what} {i}")
-        for s, names in sorted(held.items()):
-            self.fail(s, f"{', '.join(names)} never freed")
+                self.fail(s, f"reservations of steps {_short(sorted(req.reserved))} never answered by a token")
+        held: dict[int, list] = {}   # owner -> [names shown, how many]
+        for pool, what in ((self.block_owner, "block"), (self.slot_owner, "slot")):
+            for i, s in pool.held():
+                names = held.setdefault(s, [[], 0])
+                names[1] += 1
+                if len(names[0]) < SHOWN:
+                    names[0].append(f"{what} {i}")
+        for s, (names, count) in sorted(held.items()):
+            more = f", ... ({count:,} in all)" if count > len(names) else ""
+            self.fail(s, f"{', '.join(names)}{more} never freed")
         self._check_footer(trace.footer)
 
     def _check_footer(self, footer: list) -> None:
