@@ -5,6 +5,8 @@ On a CUDA machine it is left alone and the kernels run compiled.
 """
 import os
 import sys
+import tracemalloc
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,25 @@ def checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("micro")
     init_checkpoint("micro", 0, folder)
     return folder
+
+
+class Peak:
+    """What `traced_peak()` measured: `bytes`, the peak of Python's allocations (tracemalloc) in its block."""
+    bytes = 0
+
+
+@contextmanager
+def _traced_peak():
+    peak = Peak()
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.bytes = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
+
+@pytest.fixture
+def traced_peak():
+    """`with traced_peak() as peak: ...`, then `peak.bytes`: what the block allocated at most."""
+    return _traced_peak

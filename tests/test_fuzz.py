@@ -202,6 +202,8 @@ HOSTILE_HEADERS = {
     "engine's num_kv_blocks a string": ({"engine": {"num_kv_blocks": "2"}}, "engine's num_kv_blocks is a str"),
     "engine's block_size a float": ({"engine": {"block_size": 128.0}}, "engine's block_size is a float"),
     "engine's max_num_seqs a list": ({"engine": {"max_num_seqs": [64]}}, "engine's max_num_seqs is a list"),
+    "a pool of -5 KV blocks": ({"engine": {"num_kv_blocks": -5}}, "engine's num_kv_blocks is -5, not at least 0"),
+    "max_num_seqs 0": ({"engine": {"max_num_seqs": 0}}, "engine's max_num_seqs is 0, not at least 1"),
     "argv an int": ({"argv": 7}, "argv is an int, not a list"),
     "argv holding an int": ({"argv": ["mdi-trace", 7]}, "argv[1] is an int, not a str"),
     "model a string": ({"model": "micro"}, "model is a str, not a map"),
@@ -278,3 +280,18 @@ def test_a_length_claim_beyond_the_limits_in_the_header_is_one_sentence(tmp_path
         rc, err = run(command, path, capsys, False)
         assert "header" in err or "damaged at byte" in err, err
         assert "cut short" not in err, err
+
+
+def test_export_names_the_byte_of_a_well_typed_but_malformed_event(clean, layout, tmp_path, capsys):
+    """A schedule event whose rows are lists of the wrong length passes the reader's type checks; export says
+    which event it could not draw."""
+    path = tmp_path / "rows.mdt"
+    starts = layout["starts"]
+    for a, b in zip(starts, starts[1:]):
+        event = msgpack.unpackb(clean[a:b])
+        if event[0] == KIND["schedule"]:
+            event[4] = [[1]]
+            path.write_bytes(clean[:a] + msgpack.packb(event) + clean[b:])
+            break
+    rc, err = run("export", path, capsys, None)
+    assert rc == 2 and f"damaged at byte {a}: a malformed schedule event" in err, err

@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -166,7 +165,7 @@ def test_a_scan_in_small_chunks_gives_the_same_index(tmp_path, monkeypatch):
         assert np.array_equal(whole.events_of_request(q), small.events_of_request(q))
 
 
-def test_a_footer_that_claims_a_huge_count_allocates_nothing_for_it(tmp_path):
+def test_a_footer_that_claims_a_huge_count_allocates_nothing_for_it(tmp_path, traced_peak):
     """A clean log's footer counts may size the columns, but only as many as its bytes can hold."""
     pack = msgpack.Packer(use_bin_type=True).pack
     out = bytearray(pack({"magic": MAGIC, "schema_version": SCHEMA_VERSION, "t0_ns": 0}))
@@ -175,13 +174,10 @@ def test_a_footer_that_claims_a_huge_count_allocates_nothing_for_it(tmp_path):
     out += pack([KIND["footer"], {"step_digest": 10**15}, 0, [], True])
     out += bytes([TRAILER_TAG]) + footer.to_bytes(8, "big")
     (tmp_path / "claim.mdt").write_bytes(bytes(out))
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         with pytest.raises(TraceError, match="footer"):
             TraceIndex(TraceFile(tmp_path / "claim.mdt"))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     assert peak < 16 << 20
 
 
@@ -219,7 +215,7 @@ def test_findings_of_several_logs_keep_100_in_all():
     assert [f.rank for f in run[:81]] == [0] * 80 + [1]
 
 
-def test_verify_of_block_allocs_naming_half_a_million_ids_stays_small(tmp_path):
+def test_verify_of_block_allocs_naming_half_a_million_ids_stays_small(tmp_path, traced_peak):
     """The issue's hostile log, smaller: block_alloc events naming 2**18 one-byte ids each (0-127, a pool of 64),
     for a request that exists. Ids outside the pool are one finding per event; the ids allocated again and again
     are counted, not kept; the request's table and the owner list stay the pool's size."""
@@ -227,12 +223,9 @@ def test_verify_of_block_allocs_naming_half_a_million_ids_stays_small(tmp_path):
     path = log_with(tmp_path / "hostile.mdt", [("request_added", 0, [1, 2, 3], PARAMS, 0),
                                                ("block_alloc", 0, ids), ("block_alloc", 0, ids)])
     trace = TraceFile(path)
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         findings = verify(trace)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     assert peak < 32 << 20, f"verify peaked at {peak >> 20} MiB"
     # each event: 2**17 ids outside the pool, one finding; 2**17 inside, the first 64 taken, the rest allocated
     # again; at the end the request never finished and holds 64 blocks
@@ -242,16 +235,13 @@ def test_verify_of_block_allocs_naming_half_a_million_ids_stays_small(tmp_path):
     assert len(str(findings[-1])) < 500
 
 
-def test_a_pool_that_claims_a_huge_size_allocates_nothing_for_it(tmp_path):
+def test_a_pool_that_claims_a_huge_size_allocates_nothing_for_it(tmp_path, traced_peak):
     for blocks in (1 << 40, (1 << 20) + 1):
         path = log_with(tmp_path / "pool.mdt", [("request_added", 0, [1, 2, 3], PARAMS, 0),
                                                 ("block_alloc", 0, [5, 1 << 41])], num_kv_blocks=blocks)
-        tracemalloc.start()
-        try:
+        with traced_peak() as traced:
             findings = verify(TraceFile(path))
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        peak = traced.bytes
         assert peak < 4 << 20, f"verify of a pool of {blocks} peaked at {peak >> 20} MiB"
         assert any("outside the pool" in f.message for f in findings)
 
@@ -277,3 +267,44 @@ def test_an_event_of_4m_block_ids_costs_its_own_size(tmp_path):
     events, grown = peak_of_index(path)
     assert events == 1
     assert grown < 300 << 20, f"the index of one 4M-id event grew the process by {grown >> 20} MiB"
+
+
+# ---- a log too big for the memory there is ---------------------------------------------------------------
+def test_a_log_too_big_for_the_memory_available_is_refused_in_one_sentence(decode_200k, tmp_path):
+    """With a footer, before the scan (nothing indexed, no progress); without one (a log cut short, or still
+    being written), as soon as the scan has seen more events than the budget plans for. Either way one sentence
+    naming the log, its events and the memory; a budget that fits indexes it all."""
+    from tracing.index import BYTES_PER_EVENT, TooBig
+    path, n = decode_200k
+    seen = []
+    with pytest.raises(TooBig) as refused:
+        TraceIndex(TraceFile(path), seen.append, budget=n * BYTES_PER_EVENT // 2)
+    message = str(refused.value)
+    assert not seen and f"it holds {n:,} events" in message and str(path) in message
+    assert "\n" not in message and message.endswith(").")
+
+    cut = tmp_path / "cut.mdt"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size * 3 // 4])
+    with pytest.raises(TooBig, match=r"it holds at least [\d,]+ events"):
+        TraceIndex(TraceFile(cut), seen.append, budget=n * BYTES_PER_EVENT // 4)
+    assert seen, "refused after the scan had begun"
+    assert len(TraceIndex(TraceFile(path), budget=n * BYTES_PER_EVENT + (1 << 20))) == n
+
+
+def test_view_says_a_log_is_too_big_before_it_starts(decode_200k, monkeypatch, capsys):
+    """`mdi-trace view` on a log whose footer counts more events than this machine's available memory can
+    index: exit 2 and one sentence, before Textual (or the terminal check) is reached."""
+    import tui.data
+    from tui.cli import main
+    path, n = decode_200k
+    monkeypatch.setattr(tui.data, "available_memory", lambda: tui.data.MEMORY_MARGIN + 10 * n)
+    assert main(["view", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mdi-trace:") and "too big to index" in err and len(err.splitlines()) == 1
+
+
+def test_available_memory_reads_the_machine_and_its_cgroup():
+    from tui.data import available_memory
+    free = available_memory()
+    if Path("/proc/meminfo").exists():
+        assert free is not None and 0 < free < 1 << 50

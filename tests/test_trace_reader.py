@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import time
-import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -442,16 +441,13 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", HOSTILE)
-def test_a_hostile_event_is_one_sentence_in_bounded_memory(tmp_path, name):
+def test_a_hostile_event_is_one_sentence_in_bounded_memory(tmp_path, name, traced_peak):
     path = tmp_path / "hostile.mdt"
     path.write_bytes(HEADER + TOKEN + HOSTILE[name] + TOKEN)
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         with pytest.raises(TraceError) as err:
             read_all(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     assert one_sentence(str(err.value)), str(err.value)
     assert peak < 200 << 20, f"{name}: {peak >> 20} MiB"
 
@@ -472,20 +468,17 @@ OVERCLAIMS = {
 
 
 @pytest.mark.parametrize("name", OVERCLAIMS)
-def test_a_length_claimed_beyond_the_limits_is_an_error_even_past_the_end(tmp_path, name):
+def test_a_length_claimed_beyond_the_limits_is_an_error_even_past_the_end(tmp_path, name, traced_peak):
     """A claim beyond a bound of reader.LIMITS is damage, never "cut short", even where the file ends first:
     one sentence naming the byte of the claim, without allocating what it claims, from events(), the index and
     event_at()."""
     claim, at = OVERCLAIMS[name]
     path = tmp_path / "claims.mdt"
     path.write_bytes(HEADER + TOKEN + claim)
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         with pytest.raises(TraceError) as err:
             read_all(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     byte = len(HEADER) + len(TOKEN) + at
     assert one_sentence(str(err.value)) and f"damaged at byte {byte}" in str(err.value), str(err.value)
     assert "cut short" not in str(err.value) and peak < 200 << 20
@@ -499,17 +492,14 @@ def test_a_length_claimed_beyond_the_limits_is_an_error_even_past_the_end(tmp_pa
                          ids=["nested 2**22-element arrays, 3 deep", "a 1 MiB str", "a 4 KiB bin",
                               "an event cut in a str's length", "a map of 4096 entries", "arrays nested 1000 deep",
                               "a type byte alone"])
-def test_length_claims_within_the_limits_beyond_the_end_are_a_cut(tmp_path, claim):
+def test_length_claims_within_the_limits_beyond_the_end_are_a_cut(tmp_path, claim, traced_peak):
     """Lengths within reader.LIMITS that claim more than the file holds look like a log cut inside an event:
     read as cut, without allocating what they claim."""
     path = tmp_path / "claims.mdt"
     path.write_bytes(HEADER + TOKEN + claim)
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         cut = read_all(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     assert cut.events == 1 and cut.offset == len(HEADER) + len(TOKEN) and peak < 200 << 20
 
 

@@ -27,14 +27,19 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "traces" / "examples" / "micro-p
 SIZE = (120, 36)
 
 
-async def ready(pilot):
-    """Wait for the index worker, then for the app to settle."""
-    app = pilot.app
-    for _ in range(500):
-        if app.model.ready and app.generation > 0 or app.error:
+async def until(pilot, condition, seconds: float = 10.0) -> None:
+    """Wait (polling) until `condition()` holds or `seconds` pass, then for the app to settle."""
+    for _ in range(int(seconds / 0.01)):
+        if condition():
             break
         await asyncio.sleep(0.01)
     await pilot.pause()
+
+
+async def ready(pilot):
+    """Wait for the index worker, then for the app to settle."""
+    app = pilot.app
+    await until(pilot, lambda: app.model.ready and app.generation > 0 or app.error, 5)
 
 
 def notes(app) -> str:
@@ -348,11 +353,7 @@ async def test_follow_reindexes_a_growing_log_until_it_is_complete(tmp_path, mon
         await pilot.press("3", "end")
         with open(live, "ab") as f:
             f.write(data[len(data) // 3:])
-        for _ in range(300):
-            if len(app.model.steps) == 176 and not app.follow:
-                break
-            await asyncio.sleep(0.02)
-        await pilot.pause()
+        await until(pilot, lambda: len(app.model.steps) == 176 and not app.follow, 6)
         assert first < 176 == len(app.model.steps) and not app.follow
         assert app.step_row == 175   # it was at the tail, so it stays at the tail
 
@@ -362,11 +363,7 @@ async def test_verify_findings_reach_the_overview(tmp_path):
     app = TraceApp(str(EXAMPLE), verify=True)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        for _ in range(600):
-            if app.verify_lines is not None:
-                break
-            await asyncio.sleep(0.05)
-        await pilot.pause()
+        await until(pilot, lambda: app.verify_lines is not None, 30)
         assert app.verify_lines == ["no findings"], app.verify_lines
         assert "verify: no findings" in shown_text(app.query_one("#warnings"))
 
@@ -675,21 +672,13 @@ async def test_follow_labels_the_log_live_then_complete_and_verifies_it_again(tm
     app = TraceApp(str(live), follow=True, verify=True)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        for _ in range(400):
-            if app.verify_lines is not None:
-                break
-            await asyncio.sleep(0.02)
-        await pilot.pause()
+        await until(pilot, lambda: app.verify_lines is not None, 8)
         warnings = shown_text(app.query_one("#warnings"))
         assert "live: the log is still being written" in warnings and "cut short" not in warnings, warnings
         assert "following: live" in _bar(app)
         with open(live, "ab") as f:
             f.write(data[len(data) // 3:])
-        for _ in range(600):
-            if not app.follow and not app.verify_running and app.verify_runs[-1]:
-                break
-            await asyncio.sleep(0.02)
-        await pilot.pause()
+        await until(pilot, lambda: not app.follow and not app.verify_running and app.verify_runs[-1], 12)
         warnings = shown_text(app.query_one("#warnings"))
         assert not app.follow and app.verify_runs[0] is False and app.verify_runs[-1] is True  # once more, complete
         assert "complete: the footer is written" in warnings and "verify: no findings" in warnings, warnings

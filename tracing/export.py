@@ -32,11 +32,10 @@ def chrome_trace(logs: TraceFile | Run) -> dict:
         trace = run.traces[rank]
         try:
             _Builder(trace, out, rank, run.world_size, run.offset_ns(rank)).build()
-        except TraceError:
-            raise
-        except (IndexError, KeyError, TypeError, ValueError) as e:
-            raise TraceError(f"{trace.path} has a malformed event ({type(e).__name__}); cannot export it.") \
-                from None
+        except (IndexError, KeyError, TypeError, ValueError, OverflowError) as e:   # TraceError is a ValueError
+            if isinstance(e, TraceError):
+                raise
+            raise TraceError(f"{trace.path} has malformed events ({type(e).__name__}); cannot export it.") from None
     header = run.header
     return {"traceEvents": out, "displayTimeUnit": "ms",
             "otherData": {"device": str(header.get("device")), "world_size": run.world_size,
@@ -72,7 +71,11 @@ class _Builder:
         for e in self.trace.events():
             handler = getattr(self, "_" + e.kind, None)
             if handler:
-                handler(*e.fields)
+                try:
+                    handler(*e.fields)
+                except (IndexError, KeyError, TypeError, ValueError, OverflowError) as err:
+                    raise TraceError(f"{self.trace.path} is damaged at byte {e.offset}: a malformed {e.kind} event "
+                                     f"({type(err).__name__}); cannot export it.") from None
         for step, ts in self.flow_start.items():
             if step in self.flow_end:  # flow ids are global: one per (step, rank)
                 flow = {"name": f"step {step}", "cat": "step", "id": step * self.world_size + self.pid - 1,

@@ -24,7 +24,9 @@ bytes can hold that many events, else joined from the pieces at the end. A looku
 int32 order and a CSR (the distinct values, where each starts in the order), built by sorting an int64 key
 (value << 32 | position) in place: no int64 argsort, no sorted copy. The pages of the mapped log that the
 scan or `event_at` read are handed back to the kernel (`madvise`; the page cache keeps them), so that a log
-read once does not stay resident. A damaged log raises the TraceError the one-pass build before raised.
+read once does not stay resident. A damaged log raises the TraceError the one-pass build before raised. Given
+a `budget` of bytes, a log with more events than it plans for (BYTES_PER_EVENT each) raises TooBig instead of
+running the machine out of memory.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ CHUNK_BYTES = 1 << 18                                        # and the bytes of 
 RELEASE_BYTES = 4 << 20                                      # scanned bytes handed back to the kernel at a time
 BIG_LIST = 1 << 12                                           # block ids converted at once, not gathered
 MIN_EVENT_BYTES = 4                                          # the smallest event: [14, 0, ""] (step_digest)
+BYTES_PER_EVENT = 64             # planned memory per event: the build's peak (~42-61) and what the viewer adds
+BYTES_PER_RESOURCE = 17          # and per KV block or state slot an event names (one resource row each)
 
 
 def _position(fields: tuple[str, ...], *names: str) -> int:
@@ -108,10 +112,13 @@ class ResourceTable:
 class TraceIndex:
     """Columns over one log's events, and random access by step, request, kind and position."""
 
-    def __init__(self, trace: TraceFile, progress=None):
-        """`progress(byte_offset)`, if given, is called every PROGRESS_EVERY events of the scan."""
+    def __init__(self, trace: TraceFile, progress=None, budget: int | None = None):
+        """`progress(byte_offset)`, if given, is called every PROGRESS_EVERY events of the scan. `budget`, if
+        given, is the bytes of memory the index may plan on: a log whose events would need more (BYTES_PER_EVENT
+        each, BYTES_PER_RESOURCE per block or slot named) raises TooBig, before the scan when a clean footer
+        counts them, else as soon as the scan has seen that many."""
         self.trace = trace
-        b = _scan(trace, progress)
+        b = _scan(trace, progress, budget)
         self.cut = trace.cut
         self.offset, self.kind, self.step, self.seq_id, self.t, self.appended = b.columns()
         b.check(E_TWICE)  # the column errors first, then the step table's
@@ -239,13 +246,41 @@ class _Groups:
         return self.order[self.starts[k]:self.starts[k + 1]].astype(np.intp)
 
 
-def _scan(trace: TraceFile, progress=None) -> _Build:
+class TooBig(TraceError):
+    """A log with more events than the memory available can index (one sentence, as every TraceError)."""
+
+
+def planned_bytes(events: int, resources: int = 0) -> int:
+    """The memory an index of `events` events naming `resources` blocks and slots is planned to need."""
+    return events * BYTES_PER_EVENT + resources * BYTES_PER_RESOURCE
+
+
+def check_budget(trace: TraceFile, budget: int) -> int:
+    """TooBig if a clean log's footer counts more events than `budget` bytes can index; else the bytes planned
+    for them (0 for a log without a footer, which only its scan can count)."""
+    claimed = _claimed_events(trace)
+    if claimed is not None and planned_bytes(claimed) > budget:
+        raise _too_big(trace, claimed, 0, budget, counted=True)
+    return planned_bytes(claimed or 0)
+
+
+def _too_big(trace: TraceFile, events: int, resources: int, budget: int, counted: bool) -> TooBig:
+    held = "holds" if counted else "holds at least"
+    return TooBig(f"{trace.path} is too big to index in this machine's memory: it {held} {events:,} events, "
+                  f"about {planned_bytes(events, resources) / 2**30:.1f} GiB indexed, and "
+                  f"{max(budget, 0) / 2**30:.1f} GiB is available (`mdi-trace info` and `mdi-trace verify` read "
+                  f"it in bounded memory).")
+
+
+def _scan(trace: TraceFile, progress=None, budget: int | None = None) -> _Build:
     """One pass over the log, CHUNK_EVENTS events at a time: each chunk's columns, schedule summaries, spans
     and resource rows become numpy pieces before the next is decoded. The reader's TraceError for an event is
     raised once the events before it are converted (their own errors come first, as in log order).
 
     The cyclic garbage collector is off meanwhile (the scan makes no cycles): a chunk's decoded events are
     alive together, and each of its collections would walk them all, a third of the scan's time."""
+    if budget is not None:
+        check_budget(trace, budget)
     b = _Build(trace)
     objects = trace.objects()
     collecting = gc.isenabled()
@@ -260,6 +295,8 @@ def _scan(trace: TraceFile, progress=None) -> _Build:
                         progress(chunk[k][0])
                 b.add(chunk)
                 b.release_pages(chunk[-1][0])
+                if budget is not None and planned_bytes(b.n, b.resource_rows) > budget:
+                    raise _too_big(trace, b.n, b.resource_rows, budget, counted=False)
             if error is not None:
                 raise error
         return b
@@ -305,6 +342,7 @@ class _Build:
         self.spans: list[list[np.ndarray]] = [[], [], [], []]       # step, lane, start, end
         self.res: list[list[np.ndarray]] = [[], [], [], []]         # event, kind, seq_id, resource
         self.row_seq: list[np.ndarray] = []
+        self.resource_rows = 0            # KV blocks and state slots named so far
 
     def fail(self, category: int, message: str) -> None:
         self.errors.setdefault(category, message)
@@ -530,6 +568,7 @@ class _Resources:
                   np.repeat(seq.astype(np.int32), lens), rid.astype(np.int32))
         for col, piece in zip(b.res, pieces):
             col.append(piece)
+        b.resource_rows += len(rid)
 
 
 _DTYPES = (np.int64, np.uint8, np.int32, np.int32, np.int64, np.bool_)   # offset, kind, step, seq_id, t, appended

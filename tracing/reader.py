@@ -20,7 +20,7 @@ from typing import Iterator, NoReturn
 
 import msgpack
 
-from tracing.schema import ENGINE_TYPES, EVENT_TYPES, EVENTS, HEADER_TYPES, KIND, MAGIC, PLATFORM_TYPES, \
+from tracing.schema import ENGINE_LEAST, ENGINE_TYPES, EVENT_TYPES, EVENTS, HEADER_TYPES, KIND, MAGIC, PLATFORM_TYPES, \
     SCHEMA_VERSION, TRAILER_SIZE, TRAILER_TAG
 
 FOOTER = KIND["footer"]
@@ -413,6 +413,10 @@ def _check_header(header: dict, path) -> None:
         bad(f"rank is {rank}, not between 0 and world_size - 1 ({world - 1})")
     if header.get("intra_op_threads", 1) < 1:
         bad(f"intra_op_threads is {header['intra_op_threads']}, not at least 1")
+    engine = header.get("engine", {})
+    for key, least in ENGINE_LEAST.items():
+        if type(engine.get(key)) is int and engine[key] < least:
+            bad(f"engine's {key} is {engine[key]}, not at least {least}")
 
 
 def open_trace(path: str | Path) -> TraceFile:

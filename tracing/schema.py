@@ -79,6 +79,9 @@ ENGINE_TYPES: dict[str, str] = {
     "max_num_seqs": "int", "max_num_batched_tokens": "int", "num_kv_blocks": "int", "num_state_slots": "int",
     "eos_token_id": "int or nil", "enable_zos": "bool", "block_size": "int", "batch_invariant": "bool",
     "scheduler_version": "int"}
+# the engine's counts and sizes: a header with less is damaged (a pool of -5 blocks is no pool)
+ENGINE_LEAST: dict[str, int] = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "num_kv_blocks": 0,
+                                "num_state_slots": 0, "block_size": 1, "scheduler_version": 1}
 PLATFORM_TYPES: dict[str, str] = {
     "device_type": "str", "cpu_model": "str", "cpu_isa": "str", "onednn_isa": "str", "cpu_capability": "str",
     "isa_overrides": "map[str, str]", "torch": "str", "triton": "str or nil", "intra_op_threads": "int",

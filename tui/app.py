@@ -34,6 +34,7 @@ from textual.containers import Container
 from textual.widgets import Input, Static
 from textual.worker import get_current_worker
 
+from tracing.index import TooBig
 from tracing.reader import TraceError
 from tui.data import KIND_NAMES, RunModel, TraceModel
 from tui.dialogs import Ask, JumpCommands
@@ -156,6 +157,9 @@ class TraceApp(App):
     def _load(self, run: RunModel) -> None:
         try:
             run.load(lambda offset: self.post_message(Progress(offset, run.size)))
+        except TooBig as e:
+            self.call_from_thread(self._stop_following if self.generation else self._failed, str(e))
+            return
         except TraceError as e:
             self.call_from_thread(self._failed, str(e))
             return
@@ -170,6 +174,12 @@ class TraceApp(App):
         self.at_tail = bool(old.ready and len(old.steps) and self.step_row >= len(old.steps) - 1)
         self.logs = run
         self.post_message(Loaded())
+
+    def _stop_following(self, message: str) -> None:
+        """--follow: the grown log no longer fits in memory; keep showing what was indexed, and say so."""
+        self.follow, self.loading = False, False
+        self.notify(f"{message} No longer following: this is the log as it was.", severity="error", timeout=30)
+        self._viewbar()
 
     def _failed(self, message: str) -> None:
         self.error = message
@@ -533,6 +543,7 @@ def run_view(path: str, follow: bool = False, verify: bool | None = None) -> int
     key would ever reach it) it raises SystemExit with one sentence, after the log has been opened (so a bad
     path is still the first thing said) and before Textual starts."""
     run = RunModel(path)
+    run.check_memory()   # a log whose footer counts more events than memory can index: said before Textual starts
     for name, stream in (("stdout", sys.stdout), ("stdin", sys.stdin)):
         if not _is_terminal(stream):
             raise SystemExit(f"mdi-trace: view needs a terminal; {name} is not one (use `mdi-trace info` or "

@@ -8,7 +8,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tracing.reader import open_trace
-from tui.cli import _plural
+from tui.format import noun
 
 
 def _table(title: str, rows) -> Table:
@@ -92,22 +92,22 @@ def _tokens(a, trace) -> int:
             console.print(f"… and {len(items) - 5} more {what}s", soft_wrap=True)
     if r.against is not None and r.mismatch is None:
         n = len({d.seq_id for d in r.platform_differences})
-        console.print(f"the {n} {_plural(n, 'request')} with tokens beyond a near tie, "
+        console.print(f"the {n} {noun(n, 'request')} with tokens beyond a near tie, "
                       f"checked against the reference ({r.against.rows:,} positions, {r.against.tokens:,} tokens): no "
                       "divergence, so this platform's engine agrees with the reference and the recording platform "
                       "computed other bits", soft_wrap=True)
     if r.mismatch:
         print(f"mismatch: {r.mismatch}")
         return 1
-    what = f"step {a.step}" if a.step is not None else f"{r.steps} {_plural(r.steps, 'step')}"
+    what = f"step {a.step}" if a.step is not None else f"{r.steps} {noun(r.steps, 'step')}"
     differ = len(r.near_ties) + len(r.platform_differences)
-    tokens = f"{r.tokens:,} sampled {_plural(r.tokens, 'token')}"
+    tokens = f"{r.tokens:,} sampled {noun(r.tokens, 'token')}"
     same = (f"{tokens} compared, {r.tokens - differ:,} identical, {len(r.near_ties)} near "
-            f"{_plural(len(r.near_ties), 'tie')} and {len(r.platform_differences)} platform "
-            f"{_plural(len(r.platform_differences), 'difference')} ({r.after_ties:,} tokens compared after them, "
+            f"{noun(len(r.near_ties), 'tie')} and {len(r.platform_differences)} platform "
+            f"{noun(len(r.platform_differences), 'difference')} ({r.after_ties:,} tokens compared after them, "
             "the recorded tokens fed)") if differ else f"{tokens} identical"
-    console.print(f"[green]{what} re-executed, {same}; {replay.digests} step {_plural(replay.digests, 'digest')} and "
-                  f"{replay.rows:,} scheduled {_plural(replay.rows, 'row')} identical in a scheduler replay[/]",
+    console.print(f"[green]{what} re-executed, {same}; {replay.digests} step {noun(replay.digests, 'digest')} and "
+                  f"{replay.rows:,} scheduled {noun(replay.rows, 'row')} identical in a scheduler replay[/]",
                   soft_wrap=True)
     return 0
 

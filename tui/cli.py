@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from tui.format import plural
 
 MAX_PROMPTS = 100_000  # record draws every request before the run starts
 
@@ -78,14 +79,19 @@ def _probability(text: str) -> float:
     return p
 
 
-def _step(text: str) -> int:
+def _whole(text: str, low: int, high: int, expected: str) -> int:
+    """`text` as a whole number in [low, high), else the one sentence argparse prints: "expected EXPECTED"."""
     try:
         n = int(text)
     except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a step number (0 or more), not {text!r}")
+        n = low - 1
+    if not low <= n < high:
+        raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}")
     return n
+
+
+def _step(text: str) -> int:
+    return _whole(text, 0, 1 << 63, "a step number (0 or more)")
 
 
 def _check(a) -> int:
@@ -120,13 +126,7 @@ def _diff(a) -> int:
 
 
 def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
-    return n
+    return _whole(text, 1, 1 << 63, "a whole number of at least 1")
 
 
 def _num_prompts(text: str) -> int:
@@ -138,13 +138,7 @@ def _num_prompts(text: str) -> int:
 
 
 def _seed(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n < 1 << 63:
-        raise argparse.ArgumentTypeError(f"expected a seed between 0 and 2**63 - 1, not {text!r}")
-    return n
+    return _whole(text, 0, 1 << 63, "a seed between 0 and 2**63 - 1")
 
 
 def _model_option(parser, default: str | None = "tiny-68m", help: str | None = None) -> None:
@@ -359,7 +353,7 @@ def _generate(a) -> int:
     console = Console()
     console.print(table)
     total = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
-    console.print(f"{len(outs)} {_plural(len(outs), 'request')}, {total:,} tokens in {elapsed:.2f} s "
+    console.print(f"{plural(len(outs), 'request')}, {total:,} tokens in {elapsed:.2f} s "
                   f"({total / elapsed:,.0f} tokens/s), ZOS on, temperature {a.temperature}")
     return 0
 
@@ -742,12 +736,8 @@ def _verify(a) -> int:
     for rank in run.selected:
         if run.traces[rank].cut:
             print(f"note: {'' if run.world_size == 1 else f'rank {rank}: '}{run.traces[rank].cut}")
-    print(f"{total:,} {_plural(total, 'finding')}" if total else "no findings")
+    print(plural(total, "finding", spec=",") if total else "no findings")
     return 1 if total else 0
-
-
-def _plural(n: int, word: str) -> str:
-    return word if n == 1 else word + "s"
 
 
 def _os_error(e: OSError) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tracing.index import BLOCK_EVENTS, SLOT_EVENTS, TraceIndex
+from tracing.index import BLOCK_EVENTS, SLOT_EVENTS, TraceIndex, check_budget
 from tracing.ranks import open_run
 from tracing.reader import Event, TraceError, TraceFile
 from tracing.schema import BATCH_KINDS, EVENTS, FINISH_REASONS, KIND, ROW_FIELDS
@@ -30,7 +30,6 @@ STEP_HEADER = f"{'step':>7} {'kind':<7} {'rows':>4} {'tokens':>6} {'preempt':>7}
 EVENT_HEADER = f"{'#':>8} {'time':>10} {'step':>6} {'seq':>4} {'kind':<13} fields"
 MAX_POOL = 1 << 22         # KV blocks or state slots at most (the ownership arrays are this long)
 LIFELINE_TOKENS = 24      # output tokens decoded for a lifeline's summary line (each is listed anyway)
-APPENDED, STALE = 0xC3, 0xC2   # a token event's last byte: its `appended` field, a msgpack true or false
 DETAIL_HEADER = (f"  {'seq':>5} {'epoch':>5} {'positions':>11} {'num_tokens':>10} {'slot':>4} {'sampled':>9}  "
                  "block_table")
 REQUEST_HEADER = f"{'seq':>5} {'prompt':>6} {'output':>6} {'preempt':>7} finish"   # output: tokens appended
@@ -52,9 +51,10 @@ class TraceModel:
     def ready(self) -> bool:
         return self.index is not None
 
-    def load(self, progress=None) -> None:
-        """The slow part: scan the log (TraceError if damaged) and derive what the views need."""
-        ix = TraceIndex(self.trace, progress)
+    def load(self, progress=None, budget: int | None = None) -> None:
+        """The slow part: scan the log (TraceError if damaged) and derive what the views need. `budget`: the bytes
+        of memory it may plan on (TooBig, one sentence, for a log that needs more); None: no limit."""
+        ix = TraceIndex(self.trace, progress, budget)
         self.steps, self.lanes = ix.steps, Lanes(ix.steps)
         self.sched_event = np.flatnonzero(ix.kind == SCHEDULE)                 # event index per step row
         self._step_sorted = np.argsort(ix.steps.step, kind="stable")
@@ -62,7 +62,7 @@ class TraceModel:
         seqs = np.concatenate([ix.seq_id[ix.seq_id >= 0], ix._row_seq])
         self.request_ids = np.unique(seqs).astype(np.int64)
         self.prompt_len = self._per_seq(ix, "request_added", lambda e: len(e.prompt_token_ids))
-        self.appended = self._appended(ix)                 # per event: a token event that was appended
+        self.appended = ix.appended                        # per event: a token event that was appended
         self.request_tokens = self._per_request(ix, self.appended)   # output tokens appended (stale ones not)
         self.request_stale = self._per_request(ix, (ix.kind == TOKEN) & ~self.appended)
         self.request_preemptions = self._per_request(ix, ix.kind == KIND["preempt"])
@@ -85,25 +85,6 @@ class TraceModel:
                 out[int(ix.seq_id[i])] = value(e)
             except (TypeError, ValueError, IndexError, KeyError):
                 raise TraceError(f"{self.path} is damaged at byte {e.offset}: a malformed {kind} event.") from None
-        return out
-
-    def _appended(self, ix: TraceIndex) -> np.ndarray:
-        """Per event: True for a token event that was appended to its request's output (not a stale one).
-        `appended` is a token event's last field and a msgpack bool is one byte, and the events lie back to
-        back (the last one ends where the footer, or the cut, begins), so the flag is the byte before the next
-        event's offset: no event is decoded. One that ends otherwise (a writer that packed it another way) is
-        decoded."""
-        out = np.zeros(len(ix), dtype=bool)
-        tokens = np.flatnonzero(ix.kind == TOKEN)
-        if not len(tokens):
-            return out
-        trace = self.trace
-        end = trace.footer_offset if trace.clean else trace.cut.offset if trace.cut else len(trace.data)
-        ends = np.append(ix.offset[1:], end)[tokens]
-        last = np.frombuffer(trace.data, dtype=np.uint8)[ends - 1]
-        out[tokens] = last == APPENDED
-        for i in tokens[(last != APPENDED) & (last != STALE)]:
-            out[i] = ix.event_at(int(i)).appended is True
         return out
 
     # ---- steps -----------------------------------------------------------------------------------
@@ -359,6 +340,51 @@ class TraceModel:
         return [f"{cut}."] if cut else []
 
 
+MEMORY_MARGIN = 256 << 20   # bytes left to the rest of the process (Textual, the widgets, the caches)
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still use: the kernel's MemAvailable, or less where a cgroup limit (a container,
+    a systemd slice) leaves less; None where neither can be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage in dict.fromkeys(_cgroup_files()):
+        try:
+            with open(limit) as f:
+                text = f.read().strip()
+            with open(usage) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if text.isdigit() and int(text) < 1 << 60:   # "max", or v1's huge number: no limit
+            found.append(int(text) - used)
+    return min(found) if found else None
+
+
+def _cgroup_files() -> list[tuple[str, str]]:
+    """(limit, usage) files of this process's memory cgroup, v2 then v1, and the mount's root (where a container
+    sees its own cgroup)."""
+    out = [("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+           ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")]
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                hierarchy, controllers, path = line.rstrip("\n").split(":", 2)
+                if hierarchy == "0" and controllers == "":
+                    base = "/sys/fs/cgroup" + path.rstrip("/")
+                    out.append((base + "/memory.max", base + "/memory.current"))
+                elif "memory" in controllers.split(","):
+                    base = "/sys/fs/cgroup/memory" + path.rstrip("/")
+                    out.append((base + "/memory.limit_in_bytes", base + "/memory.usage_in_bytes"))
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 class RunModel:
     """The logs of one run (tracing/ranks.py): one TraceModel per rank, each with its rank and time offset,
     or a single TraceModel for a single-process log. `start_rank`: the rank whose own file was named."""
@@ -392,12 +418,29 @@ class RunModel:
         """Whether any rank's log has changed size since it was opened (OSError if one is gone)."""
         return any(m.path.stat().st_size != m.size for m in self.models)
 
-    def load(self, progress=None) -> None:
-        """Index every rank's log in turn; `progress(offset)` counts bytes over the whole run."""
+    def load(self, progress=None, budget: int | None = -1) -> None:
+        """Index every rank's log in turn; `progress(offset)` counts bytes over the whole run. `budget`: the bytes
+        of memory the indexes may plan on together (-1: what this machine has available now, less a margin;
+        None: no limit); a run that needs more raises TooBig, one sentence, instead of running out of memory."""
+        budget = self.budget() if budget == -1 else budget
         done = 0
         for m in self.models:
-            m.load(None if progress is None else lambda offset, base=done: progress(base + offset))
+            m.load(None if progress is None else lambda offset, base=done: progress(base + offset), budget)
             done += m.size
+            if budget is not None:
+                budget -= m.index.nbytes + 8 * len(m.index)   # what this rank keeps, and the Events view's list
+
+    @staticmethod
+    def budget() -> int | None:
+        """The bytes the indexes may plan on: what this machine has available now, less a margin (None: unknown)."""
+        free = available_memory()
+        return None if free is None else free - MEMORY_MARGIN
+
+    def check_memory(self) -> None:
+        """TooBig, before any scan, if the footers of the run's logs count more events than memory can index."""
+        budget = self.budget()
+        for m in self.models if budget is not None else ():
+            budget -= check_budget(m.trace, budget)
 
     def time_range(self) -> tuple[int, int]:
         """(first, last) ns of every rank's lanes on the run's time axis."""

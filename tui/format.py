@@ -28,7 +28,12 @@ def fmt_ns(ns: int | float) -> str:
 def plural(n, one: str, many: str | None = None, spec: str = "") -> str:
     """`n` and the noun that agrees with it: 1 row, 2 rows, 0 rows (`many` for an irregular plural, `spec`
     formats the number: "," gives 1,024)."""
-    return f"{n:{spec}} {one if n == 1 else many or one + 's'}"
+    return f"{n:{spec}} {noun(n, one, many)}"
+
+
+def noun(n, one: str, many: str | None = None) -> str:
+    """The noun alone that agrees with `n`, for a count with words between ("3 sampled tokens")."""
+    return one if n == 1 else many or one + "s"
 
 
 def parse_time(text: str) -> int:
