@@ -49,7 +49,7 @@ def tokens_per_s(model: str, invariant: bool, batch: int, prompt_len: int, token
         llm.engine.step()
     llm.engine.shutdown()
     if device == "cuda":  # the device span of each step, from the engine's CUDA events
-        kind = {b.step: b.kind for _, b in tracer.kinds("schedule")}  # ("schedule", ScheduledBatch)
+        kind = {b.step: b.batch_kind for _, b in tracer.kinds("schedule")}  # ("schedule", ScheduledBatch)
         spans = [(kind[step] == "decode", (end - start) / 1e9) for _, step, start, end in tracer.kinds("device_span")]
     prefill = [t for decode, t in spans if not decode]
     decode = [t for decode, t in spans if decode][2:]  # the first two decode steps are warm-up

@@ -45,7 +45,7 @@ class SpanTracer(NullTracer):
         self.kinds, self.spans = {}, {}
 
     def schedule(self, batch):
-        self.kinds[batch.step] = (batch.kind, len(batch.rows))
+        self.kinds[batch.step] = (batch.batch_kind, len(batch.rows))
 
     def device_span(self, step, start_ns, end_ns):
         self.spans[step] = (start_ns, end_ns)

@@ -76,7 +76,7 @@ def run(batch: int, steps: int, tracer, seed: int = 0) -> dict[str, list[float]]
             tracer.cpu_span(done.step, "process", t3, t5)
         tracer.step_end(b.step)
         t6 = time.perf_counter_ns()
-        if b.kind == "decode" and done is not None and done.kind == "decode":
+        if b.batch_kind == "decode" and done is not None and done.batch_kind == "decode":
             for phase, (a, z) in zip(PHASES, [(t0, t1), (t1, t2), (t3, t4), (t4, t5), (t5, t6)]):
                 times[phase].append((z - a) / 1e3)
     tracer.close()

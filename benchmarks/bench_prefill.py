@@ -30,7 +30,8 @@ from bench_decode import measure_ceilings
 from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerConfig
 from engine.sequence import SamplingParams
-from model.checkpoint import load_model
+from model.config import BLOCK_SIZE, cdiv
+from model.load import load_model
 from model.reference import ReferenceModel
 
 
@@ -52,7 +53,7 @@ def build(model: str, n: int, length: int, budget: int):
     weights, digest = load_model(model, "cuda")
     weights.args.max_seq_len = max(weights.args.max_seq_len, length + 8)
     weights._rope.clear()  # rebuilt at the new length by the runner's warm()
-    blocks = n * -(-(length + 8) // 128)
+    blocks = n * cdiv(length + 8, BLOCK_SIZE)
     return LLMEngine(weights, SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=budget, num_kv_blocks=blocks,
                                               num_state_slots=n), checkpoint_digest=digest)
 

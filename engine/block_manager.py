@@ -8,14 +8,9 @@ scheduler frees both together, always: preemption, finish and cancellation call 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
+from engine.sequence import Sequence
 from engine.tracer import NullTracer
-
-if TYPE_CHECKING:
-    from engine.sequence import Sequence
-
-BLOCK_SIZE = 128
 
 
 class _Pool:
@@ -51,10 +46,10 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self.pool.free_ids)
 
-    def can_allocate(self, seq: "Sequence", num_positions: int) -> bool:
+    def can_allocate(self, seq: Sequence, num_positions: int) -> bool:
         return seq.blocks_needed(num_positions) <= self.num_free
 
-    def allocate(self, seq: "Sequence", num_positions: int) -> None:
+    def allocate(self, seq: Sequence, num_positions: int) -> None:
         """Grow the block table to cover positions [0, num_positions)."""
         need = seq.blocks_needed(num_positions)
         if need:  # a decode row needs a new block once every 128 steps
@@ -62,7 +57,7 @@ class BlockManager:
             seq.block_table += new
             self.tracer.block_alloc(seq.seq_id, new)
 
-    def free(self, seq: "Sequence") -> None:
+    def free(self, seq: Sequence) -> None:
         if seq.block_table:
             self.pool.give_back(seq.seq_id, seq.block_table)
             self.tracer.block_free(seq.seq_id, seq.block_table)
@@ -79,15 +74,15 @@ class StateManager:
     def num_free(self) -> int:
         return len(self.pool.free_ids)
 
-    def can_allocate(self, seq: "Sequence") -> bool:
+    def can_allocate(self, seq: Sequence) -> bool:
         return seq.state_slot is not None or self.num_free > 0
 
-    def allocate(self, seq: "Sequence") -> None:
+    def allocate(self, seq: Sequence) -> None:
         if seq.state_slot is None:
             (seq.state_slot,) = self.pool.take(seq.seq_id, 1)
             self.tracer.slot_alloc(seq.seq_id, seq.state_slot)
 
-    def free(self, seq: "Sequence") -> None:
+    def free(self, seq: Sequence) -> None:
         if seq.state_slot is not None:
             self.pool.give_back(seq.seq_id, [seq.state_slot])
             self.tracer.slot_free(seq.seq_id, seq.state_slot)

@@ -19,13 +19,14 @@ from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerConfig
 from engine.sequence import SamplingParams
 from engine.tokenizer import load_tokenizer
-from model.checkpoint import load_model
+from model.config import BLOCK_SIZE, cdiv
+from model.load import load_model
 from model.parallel import Shard, gather_objects, setup
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    request_id: int
+    seq_id: int                 # the request's id: its Sequence's seq_id (add_request returns it)
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
@@ -44,7 +45,7 @@ class LLM:
                              "are proven with one intra-op thread (model/invariant.py).")
         self.shard = shard or setup(device)  # from a torchrun-style environment; one process without one
         weights, self.digest = load_model(model, device, self.shard)
-        blocks_per_seq = -(-weights.args.max_seq_len // 128)
+        blocks_per_seq = cdiv(weights.args.max_seq_len, BLOCK_SIZE)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                  num_kv_blocks or max_num_seqs * blocks_per_seq, num_state_slots or max_num_seqs)
         self.tokenizer = load_tokenizer(model)

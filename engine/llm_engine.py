@@ -21,7 +21,6 @@ import time
 import numpy
 import torch
 
-from engine.block_manager import BLOCK_SIZE
 from engine.model_runner import ModelRunner, StepHandle, device_name
 from engine.platform import platform_of
 from engine import scheduler as scheduler_rules
@@ -29,6 +28,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 from engine.tracer import NullTracer
 from kernels.sampling import mix_seed
+from model.config import BLOCK_SIZE, cdiv
 from model.parallel import any_rank, run_id
 from model.transformer import Transformer
 
@@ -103,14 +103,14 @@ class LLMEngine:
         if total > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)}) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the model's max_seq_len {self.max_seq_len}.")
-        if -(-total // 128) > self.config.num_kv_blocks:
-            raise ValueError(f"a request of {total} tokens needs {-(-total // 128)} KV blocks, more than the "
+        if cdiv(total, BLOCK_SIZE) > self.config.num_kv_blocks:
+            raise ValueError(f"a request of {total} tokens needs {cdiv(total, BLOCK_SIZE)} KV blocks, more than the "
                              f"{self.config.num_kv_blocks} in the pool; raise num_kv_blocks.")
         return params
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, seq_id: int) -> None:
         """Cancel a request; it finishes with reason "abort" at the start of the next step."""
-        self.pending_aborts.append(request_id)
+        self.pending_aborts.append(seq_id)
 
     def has_unfinished(self) -> bool:
         """Work left here, or under EP x DP on any rank (every rank keeps stepping until all are done)."""
@@ -143,10 +143,10 @@ class LLMEngine:
         return finished
 
     def process(self, handle: StepHandle) -> list[Sequence]:
-        tokens = handle.wait()
+        result = handle.wait()
         t0 = time.perf_counter_ns()
-        self.tracer.device_span(handle.batch.step, *handle.device_span)
-        finished = self.scheduler.process(handle.batch, tokens)
+        self.tracer.device_span(handle.batch.step, *result.device_span)
+        finished = self.scheduler.process(handle.batch, result.tokens)
         if self.tracer.enabled:
             self.tracer.step_digest(handle.batch.step, self.scheduler.digest())
         self.tracer.cpu_span(handle.batch.step, "process", t0, time.perf_counter_ns())

@@ -23,33 +23,29 @@ from __future__ import annotations
 import os
 import platform
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from engine.scheduler import ScheduledBatch
+from engine import step as layout
+from engine.step import NCOL, ScheduledBatch
 from kernels.sampling import sample
 from model import invariant
-from model.paged import BLOCK_SIZE, ForwardBatch, PagedModel
+from model.config import BLOCK_SIZE, cdiv
+from model.paged import ForwardBatch, PagedModel
 from model.parallel import idle_forward
 from model.transformer import Transformer
-
-
-# Per-row int64 columns of a step's packed host input, then the row's S input ids, then its block table.
-_COLUMNS = ("remap", "start", "num_tokens", "slot", "sample", "seed", "position")
-_NCOL = len(_COLUMNS)
 
 
 @dataclass(slots=True)
 class _HostInputs:
     """A step's inputs in two host tensors (pinned on CUDA: two asynchronous copies per step).
 
-    ints [B, 7 + S + nb] int64, one row per batch row: the _COLUMNS (remap: the input token is in flight,
-    take next_tokens[slot]; sample; seed; position: the output position the row draws), then the S input
-    ids (0 where padding or in flight), then the block table padded with the trash block. Rows past
-    `num_rows` pad a CUDA-graph batch: one token into the trash slot and trash blocks, never sampled."""
+    ints [B, NCOL + S + nb] int64: the batch packed in engine/step.py's layout. Rows past `num_rows` pad a
+    CUDA-graph batch (`step.padding_row`)."""
     ints: torch.Tensor
     temperatures: torch.Tensor   # [B] fp32
     num_rows: int                # the batch's real rows (the first num_rows)
@@ -66,24 +62,46 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
 
 
+class StepResult(NamedTuple):
+    """What a step gives back: one token per row (None where the row did not sample), and the step's device
+    work as (start_ns, end_ns) on the host's perf_counter_ns axis."""
+    tokens: list[int | None]
+    device_span: tuple[int, int]
+
+
+class _DeviceTokens(NamedTuple):
+    """A step's sampled tokens on the host [num_rows] and its device span: what the device work resolves to."""
+    tokens: torch.Tensor
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(slots=True)
+class _CudaStep:
+    """A step queued on the CUDA stream: its pinned host tokens and the events around it. `result()` waits
+    for the end event (the Future interface of the CPU worker's steps)."""
+    tokens: torch.Tensor        # pinned host copy, being written
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    clock: "_CudaClock"
+    inputs: _HostInputs         # the pinned inputs must outlive their copies
+
+    def result(self) -> _DeviceTokens:
+        self.end.synchronize()
+        return _DeviceTokens(self.tokens, self.clock.to_host_ns(self.start), self.clock.to_host_ns(self.end))
+
+
 class StepHandle:
-    """One step in flight. `wait()` returns its sampled tokens per row (None where a row did not sample)
-    and sets `device_span` to the (start_ns, end_ns) of the step's device work."""
+    """One step in flight. `wait()` is the only place that reads a device result (ARCHITECTURE.md §3)."""
 
-    def __init__(self, batch: ScheduledBatch, result: Future | tuple):
-        self.batch, self._result = batch, result
-        self.device_span: tuple[int, int] | None = None
+    def __init__(self, batch: ScheduledBatch, device_work):
+        self.batch = batch
+        self._device_work = device_work  # a Future (CPU worker) or a _CudaStep: .result() -> _DeviceTokens
 
-    def wait(self) -> list[int | None]:
-        if isinstance(self._result, Future):  # CPU worker: (host tokens, start_ns, end_ns)
-            tokens, start, end = self._result.result()
-        else:  # CUDA: (pinned host tokens, start event, end event, clock, the pinned inputs kept alive)
-            tokens, start_ev, end_ev, clock, _ = self._result
-            end_ev.synchronize()
-            start, end = clock.to_host_ns(start_ev), clock.to_host_ns(end_ev)
-        self.device_span = (start, end)
+    def wait(self) -> StepResult:
+        tokens, start, end = self._device_work.result()
         values = tokens.tolist()
-        return [t if row.sample else None for row, t in zip(self.batch.rows, values)]
+        return StepResult([t if row.sample else None for row, t in zip(self.batch.rows, values)], (start, end))
 
 
 class _CudaClock:
@@ -106,10 +124,8 @@ class _DecodeGraph:
     def __init__(self, runner: "ModelRunner", rows: int, blocks: int, context_len: int):
         dev = runner.device
         # all-padding rows (one token at position 1 into the trash slot and trash blocks) for the warm-up
-        self.ints = torch.zeros(rows, _NCOL + 1 + blocks, dtype=torch.long, device=dev)
-        self.ints[:, 1:3] = 1  # start, num_tokens
-        self.ints[:, 3] = runner.trash_slot
-        self.ints[:, _NCOL + 1:] = runner.trash_block
+        padding = layout.padding_row(1, blocks, runner.trash_block, runner.trash_slot)
+        self.ints = torch.tensor([padding] * rows, dtype=torch.long, device=dev)
         self.temperatures = torch.zeros(rows, dtype=torch.float32, device=dev)
         step = lambda: runner.device_step(self.ints, self.temperatures, 1, context_len, True)  # noqa: E731
         with torch.cuda.stream(runner.stream):
@@ -152,28 +168,41 @@ class ModelRunner:
                 torch.set_num_threads(cpu_threads)
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="mdi-device")
 
+    # ---- the public entry points: the engine's step, and re-execution by the checkers (tracing/) ----------
     def execute(self, batch: ScheduledBatch) -> StepHandle:
+        """Enqueue one step: inputs, remap, forward, sampling, next-token write-back, copy to the host. The
+        engine's step and `mdi-trace check`'s replay of a recorded batch both run this."""
         inputs = self.prepare(batch)
         if self.device.type == "cuda":
             return StepHandle(batch, self._launch_cuda(inputs))
         return StepHandle(batch, self.worker.submit(self._run_cpu, inputs))
 
+    def logits(self, batch: ScheduledBatch, capture=None) -> torch.Tensor:
+        """Re-execute a batch eagerly and return the logits of every token [B, S, vocab] (not only the sampled
+        rows' last ones), without sampling. Its inputs are built as `execute` builds them, and its forward
+        writes the batch's KV blocks and state slots like a step. `capture` is PagedModel.forward's per-module
+        hook (tracing/divergence.py localises a divergence with it)."""
+        inputs = self.prepare(batch, eager=True)
+        fb = self._unpack(inputs.ints.to(self.device), inputs.S, inputs.context_len, inputs.decode)[0]
+        return self.model.forward(fb, all_logits=True, capture=capture)
+
     def graph_shape(self, batch: ScheduledBatch) -> tuple[int, int] | None:
         """(padded rows, context bucket) of a decode step that replays a graph, or None (eager)."""
         rows = batch.rows
-        if not (self.device.type == "cuda" and self.use_cuda_graphs and batch.kind == "decode"
+        if not (self.device.type == "cuda" and self.use_cuda_graphs and batch.batch_kind == "decode"
                 and all(r.num_tokens == 1 and r.start > 0 for r in rows)):
             return None
         size = next((b for b in self.GRAPH_BATCH_SIZES if b >= len(rows)), None)
         step = self.GRAPH_CONTEXT_STEP
-        context = -(-max(r.start + 1 for r in rows) // step) * step
+        context = cdiv(max(r.start + 1 for r in rows), step) * step
         if size is None or ((size, context) not in self.graphs and len(self.graphs) >= self.MAX_GRAPHS):
             return None
         return size, context
 
-    def prepare(self, batch: ScheduledBatch) -> _HostInputs:
-        """The packed host inputs of a step (see _HostInputs), padded for a graph when one will run."""
-        rows, shape = batch.rows, self.graph_shape(batch)
+    def prepare(self, batch: ScheduledBatch, eager: bool = False) -> _HostInputs:
+        """The packed host inputs of a step (see _HostInputs), padded for a graph when one will run (never when
+        `eager`)."""
+        rows, shape = batch.rows, None if eager else self.graph_shape(batch)
         S = max(r.num_tokens for r in rows)
         if shape is None:
             size, context = len(rows), max(r.start + r.num_tokens for r in rows)
@@ -181,16 +210,7 @@ class ModelRunner:
         else:
             size, context = shape
             nb = context // BLOCK_SIZE
-        trash = [self.trash_block] * nb
-        table = []  # the rows one after the other in one flat Python list, one numpy conversion: ~0.5 µs a row
-        for r in rows:
-            tokens = r.token_ids
-            ids = [tokens[0] or 0] if S == 1 else [t or 0 for t in tokens] + [0] * (S - len(tokens))
-            table += (tokens[0] is None, r.start, len(tokens), r.state_slot, r.sample, r.seed, r.output_position,
-                      *ids, *(r.block_table + trash)[:nb])
-        padding = [0, 1, 1, self.trash_slot, 0, 0, 0] + [0] * S + trash
-        table += padding * (size - len(rows))
-        ints = torch.from_numpy(np.array(table, dtype=np.int64).reshape(size, _NCOL + S + nb))
+        ints = torch.from_numpy(layout.pack(batch, S, nb, size, self.trash_block, self.trash_slot))
         temperatures = torch.from_numpy(np.array([r.temperature for r in rows] + [0.0] * (size - len(rows)),
                                                  dtype=np.float32))
         if self.device.type == "cuda":
@@ -202,7 +222,7 @@ class ModelRunner:
                     decode: bool) -> torch.Tensor:
         """Device work of one step from the packed inputs on the device: remap, forward, sample, write
         back. Returns the sampled tokens [B]. Fixed shapes for fixed (B, S, nb, context_len): capturable."""
-        batch, sampled, seeds, positions = self.unpack(ints, S, context_len, decode)
+        batch, sampled, seeds, positions = self._unpack(ints, S, context_len, decode)
         slots = batch.state_slots
         logits = self.model.forward(batch)
         self.last_logits = logits  # [B, vocab]: the step's logits, for a checker's margin (a graph's static output)
@@ -210,12 +230,12 @@ class ModelRunner:
         self.next_tokens[torch.where(sampled.bool(), slots, self.trash_slot)] = tokens
         return tokens
 
-    def unpack(self, ints: torch.Tensor, S: int, context_len: int, decode: bool):
+    def _unpack(self, ints: torch.Tensor, S: int, context_len: int, decode: bool):
         """Packed inputs on the device -> (ForwardBatch with the in-flight input tokens remapped by state slot,
         sampled, seeds, output positions) [B] each."""
-        remap, start, num_tokens, slots, sampled, seeds, positions = ints[:, :_NCOL].t().contiguous()  # [B] each
-        ids = ints[:, _NCOL:_NCOL + S].contiguous()  # [B, S]
-        tables = ints[:, _NCOL + S:].contiguous()  # [B, nb]
+        columns, ids, tables = layout.split(ints, S)
+        remap, start, num_tokens, slots, sampled, seeds, positions = columns.contiguous()  # [B] each
+        ids, tables = ids.contiguous(), tables.contiguous()  # [B, S], [B, nb]
         ids[:, 0] = torch.where(remap.bool(), self.next_tokens[slots], ids[:, 0])  # in-flight inputs
         return ForwardBatch(ids, start, num_tokens, tables, slots, context_len, decode), sampled, seeds, positions
 
@@ -230,7 +250,7 @@ class ModelRunner:
         """A decode step through its graph (captured on first use): copy the inputs in, replay."""
         key = (inputs.ints.size(0), inputs.context_len)
         if key not in self.graphs:
-            self.graphs[key] = _DecodeGraph(self, key[0], inputs.ints.size(1) - _NCOL - 1, inputs.context_len)
+            self.graphs[key] = _DecodeGraph(self, key[0], inputs.ints.size(1) - NCOL - 1, inputs.context_len)
         graph = self.graphs[key]
         graph.ints.copy_(inputs.ints, non_blocking=True)
         graph.temperatures.copy_(inputs.temperatures, non_blocking=True)
@@ -238,12 +258,12 @@ class ModelRunner:
         self.last_logits = graph.logits
         return graph.tokens[:inputs.num_rows]
 
-    def _run_cpu(self, inputs: _HostInputs):
+    def _run_cpu(self, inputs: _HostInputs) -> _DeviceTokens:
         start = time.perf_counter_ns()
         tokens = self.forward(inputs)
-        return tokens, start, time.perf_counter_ns()
+        return _DeviceTokens(tokens, start, time.perf_counter_ns())
 
-    def _launch_cuda(self, inputs: _HostInputs):
+    def _launch_cuda(self, inputs: _HostInputs) -> _CudaStep:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
@@ -251,7 +271,7 @@ class ModelRunner:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             end.record(self.stream)
-        return host, start, end, self.clock, inputs  # pinned inputs must outlive their copies
+        return _CudaStep(host, start, end, self.clock, inputs)
 
     def idle(self) -> None:
         """EP x DP with nothing scheduled on this rank: the forward's collectives with zero rows, queued on the

@@ -21,61 +21,18 @@ on the device from the previous step's output (`input_token_id is None`: remap b
 """
 from __future__ import annotations
 
-import hashlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.block_manager import BlockManager, StateManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import ScheduledBatch, ScheduledRow, digest_text
 from engine.tracer import NullTracer
 
 # The version of the scheduling rules, written in a trace's header (engine map) so that a replay by other
 # rules says so. 1: a prefill step counted a finished prompt twice against max_num_seqs (it admitted about
 # half); 2: each sequence once (traces recorded from 2026-11-29 on).
 SCHEDULER_VERSION = 2
-
-
-def tables_digest(rows) -> str:
-    """The per-step digest of the resource tables: rows of (seq_id, epoch, state_slot, block_table), one per
-    unfinished sequence. Written by the engine, recomputed by verify and by scheduler replay."""
-    rows = sorted((s, e, slot, tuple(blocks)) for s, e, slot, blocks in rows)
-    return _digest_text(repr(rows))
-
-
-def _digest_text(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
-@dataclass(slots=True)
-class ScheduledRow:
-    """One row of a step: a chunk [start, start + num_tokens) of one sequence."""
-    seq_id: int
-    epoch: int
-    start: int                        # position of the first token
-    token_ids: list[int | None]       # inputs; None = in flight, gathered on the device from the slot
-    block_table: list[int]
-    state_slot: int
-    sample: bool                      # the last chunk of a prefill, or a decode row
-    seed: int
-    temperature: float
-    output_position: int              # which output token a sampled row draws (keys the sampler)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """The explicit input of one step: everything the model runner and a replay need."""
-    step: int
-    kind: str                          # "prefill" or "decode"
-    rows: list[ScheduledRow]
-    preempted: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
 
 
 @dataclass(slots=True)
@@ -107,10 +64,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def digest(self) -> str:
-        """`tables_digest` of every unfinished sequence's epoch, state slot and block table, the same text
-        hashed, with each row's repr kept from the last digest while its (epoch, slot, block count) holds: within
-        an epoch a block table only grows (blocks are freed only by preemption, which bumps the epoch, and by
-        finishing), so its length names its contents. The reprs were most of the cost of a step's digest."""
+        """`tables_digest` (engine/step.py) of every unfinished sequence's epoch, state slot and block table, the
+        same text hashed, with each row's repr kept from the last digest while its (epoch, slot, block count)
+        holds: within an epoch a block table only grows (blocks are freed only by preemption, which bumps the
+        epoch, and by finishing), so its length names its contents. The reprs were most of the cost of a step's
+        digest."""
         rows = {}
         for seq in self.seqs.values():
             key = (seq.epoch, seq.state_slot, len(seq.block_table))
@@ -119,7 +77,7 @@ class Scheduler:
                 kept = key, repr((seq.seq_id, seq.epoch, seq.state_slot, tuple(seq.block_table)))
             rows[seq.seq_id] = kept
         self._digest_rows = rows
-        return _digest_text("[" + ", ".join(text for _, (_, text) in sorted(rows.items())) + "]")  # repr of the list
+        return digest_text("[" + ", ".join(text for _, (_, text) in sorted(rows.items())) + "]")  # repr of the list
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:

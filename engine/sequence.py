@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from engine.block_manager import BLOCK_SIZE
+from model.config import BLOCK_SIZE, cdiv
 
 
 @dataclass(slots=True)
@@ -66,5 +66,5 @@ class Sequence:
 
     def blocks_needed(self, num_positions: int) -> int:
         """KV blocks to cover positions [0, num_positions): block j holds positions [128j, 128j+128)."""
-        need = -(-num_positions // BLOCK_SIZE) - len(self.block_table)
+        need = cdiv(num_positions, BLOCK_SIZE) - len(self.block_table)
         return need if need > 0 else 0  # not max(): this runs twice per row and step

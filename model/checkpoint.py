@@ -252,35 +252,6 @@ def default_checkpoint(name: str = "tiny-68m", seed: int = 0, specs=None) -> Pat
     return path
 
 
-def load_model(model: str = "tiny-68m", device: str = "cpu", shard=None):
-    """A `Transformer` with its weights, from a preset name (the embedded default checkpoint, created on
-    first use) or a checkpoint folder. Returns (model, digest). Raises CheckpointError in one sentence.
-    A folder with model.safetensors.index.json is read in the released format (model/released.py).
-    `shard` (model/parallel.py, default one process) keeps only this rank's experts and Engram rows; the
-    whole checkpoint is read and its digest checked first."""
-    from model.config import PRESETS
-    from model.parallel import Shard, shard_state_dict
-    from model.transformer import Transformer
-
-    path = default_checkpoint(model) if model in PRESETS and not Path(model).is_dir() else Path(model)
-    from model import released
-    if released.is_released(path):  # a Hugging Face folder: sharded, FP8/FP4 storage (model/released.py)
-        loaded = released.load_released(path, device, shard)
-        return loaded.model, loaded.digest
-    try:
-        args = ModelArgs.load(path / CONFIG_FILE)
-    except ConfigError as e:
-        raise CheckpointError(f"no usable checkpoint at {path}: {e}") from None
-    expected = {n: (tuple(shape), dtype) for n, shape, dtype in parameter_specs(args)}
-    loaded = load_checkpoint(path, expected)
-    with torch.device("meta"):
-        transformer = Transformer(loaded.args, shard or Shard())
-    transformer.load_state_dict(shard_state_dict(transformer, loaded.tensors), assign=True)
-    if loaded.args.engram_token_map == "tokenizer":  # spec §4.2: the Engram token map reads tokenizer.json
-        transformer.tokenizer = released.read_tokenizer(path)
-    return transformer.to(device), loaded.digest
-
-
 def init_checkpoint(preset_name: str, seed: int, out: str | Path) -> str:
     """`mdi-trace checkpoint init`: a fresh checkpoint folder from a preset and a seed; returns its digest."""
     args = preset(preset_name)

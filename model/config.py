@@ -13,6 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+BLOCK_SIZE = 128  # token positions per KV block (ARCHITECTURE.md §4): the engine's block tables, the model's pages
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers, b > 0 (blocks to cover a positions, tiles to cover a rows, ...)."""
+    return -(-a // b)
+
+
 class ConfigError(ValueError):
     """A config that the model cannot run. The message is one sentence for the user."""
 
@@ -216,7 +224,25 @@ def preset(name: str) -> ModelArgs:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}.")
     args = PRESETS[name]()
     if not args.engram_num_embeddings:
-        from model.engram import EngramLayout
-
-        args.engram_num_embeddings = tuple(EngramLayout.from_args(args).num_embeddings)
+        args.engram_num_embeddings = tuple(sum(p) for p in engram_primes(args))
     return args.check()
+
+
+def _is_prime(n: int) -> bool:
+    if n < 4:
+        return n >= 2
+    if n % 2 == 0 or n % 3 == 0:
+        return False
+    return all(n % f and n % (f + 2) for f in range(5, int(n**0.5) + 1, 6))
+
+
+def engram_primes(args: ModelArgs) -> tuple[tuple[int, ...], ...]:
+    """[Engram layer][hash column]: the bucket size of that column (spec §4.2 step 3); a layer's table has
+    their sum of rows. Every (layer, n-gram size, head) in turn takes the smallest unused prime >=
+    engram_vocab_size; each draw takes the smallest one left, so the draws are the consecutive primes from there."""
+    n_cols, candidate, drawn = args.n_hash_cols, args.engram_vocab_size, []
+    while len(drawn) < n_cols * len(args.engram_layer_ids):
+        if _is_prime(candidate):
+            drawn.append(candidate)
+        candidate += 1
+    return tuple(tuple(drawn[i:i + n_cols]) for i in range(0, len(drawn), n_cols))

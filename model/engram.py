@@ -18,20 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import invariant  # batch-invariant mode hooks (issue #11)
-from model.config import ConfigError, ModelArgs
+from model.config import ConfigError, ModelArgs, engram_primes
 from model.parallel import Shard, engram_lookup
 from model.quant import dequantize_fp8_e8m0
 
 SCALE_GROUP = 32  # one e8m0 scale per 32 values of a table row (spec §4.1)
 GATE_CLAMP = 1e-6  # |dot| is clamped here before the signed square root (spec §4.3 step 4)
-
-
-def _is_prime(n: int) -> bool:
-    if n < 4:
-        return n >= 2
-    if n % 2 == 0 or n % 3 == 0:
-        return False
-    return all(n % f and n % (f + 2) for f in range(5, int(n**0.5) + 1, 6))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +48,7 @@ class EngramLayout:
     def from_args(cls, args: ModelArgs) -> "EngramLayout | None":
         if not args.engram_layer_ids:
             return None
-        # Step 3: every (layer, n-gram size, head) in turn takes the smallest unused prime >= engram_vocab_size.
-        # Each draw takes the smallest one left, so the draws are simply the consecutive primes from there on.
-        n_cols, candidate, drawn = args.n_hash_cols, args.engram_vocab_size, []
-        while len(drawn) < n_cols * len(args.engram_layer_ids):
-            if _is_prime(candidate):
-                drawn.append(candidate)
-            candidate += 1
-        primes = tuple(tuple(drawn[i:i + n_cols]) for i in range(0, len(drawn), n_cols))
+        primes = engram_primes(args)  # step 3
         # Step 2: per-layer odd multipliers, bounded so that compressed id * multiplier fits in int64.
         bound = max(1, (np.iinfo(np.int64).max // args.engram_compressed_vocab_size) // 2)
         draws = [np.random.default_rng(10007 * layer).integers(0, bound, size=args.engram_max_ngram_size,

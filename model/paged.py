@@ -28,11 +28,10 @@ from kernels.attention import paged_sparse_attn
 from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, use_attention_kernel, \
     use_kernels, window_index
 from model import invariant  # batch-invariant mode (issue #11)
+from model.config import BLOCK_SIZE, cdiv
 from model.engram import engram_history, hash_ids, start_history
 from model.hc import identity_pre_mix
 from model.transformer import Block, Transformer
-
-BLOCK_SIZE = 128  # token positions per KV block (ARCHITECTURE.md §1)
 
 
 @dataclass(slots=True)
@@ -195,7 +194,7 @@ class PagedModel:
     def stream(pool: torch.Tensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:
         """A row's first n_entries entries of one stream, gathered through its block table: [B, n, D]."""
         per_block = pool.size(1)
-        n_blocks = -(-n_entries // per_block)
+        n_blocks = cdiv(n_entries, per_block)
         return pool[block_tables[:, :n_blocks]].flatten(1, 2)[:, :n_entries]
 
     def compress(self, block: Block, x: torch.Tensor, step: _Step, cache: dict) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from model.config import ConfigError
+from model.config import ConfigError, cdiv
 
 TIMEOUT = datetime.timedelta(minutes=10)  # a rank that stops answering fails its peers' collectives, not hangs them
 
@@ -55,7 +55,7 @@ class Shard:
 
     def rows(self, n: int) -> range:
         """This rank's rows of an n-row table: ceil(n / world_size) each, the last rank the rest."""
-        per = -(-n // self.world_size)
+        per = cdiv(n, self.world_size)
         return range(min(self.rank * per, n), min((self.rank + 1) * per, n))
 
     def requests(self, n: int) -> range:

@@ -38,8 +38,8 @@ from safetensors import SafetensorError, safe_open
 
 from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.attention import Linear
-from model.checkpoint import CheckpointError, load_checkpoint, parameter_specs, save_tensors
-from model.config import ConfigError, ModelArgs
+from model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint, parameter_specs, save_tensors
+from model.config import ConfigError, ModelArgs, cdiv
 from model.quant import (FP4_WEIGHT_GROUP, WEIGHT_TILE, act_quant_fp8, dequantize_fp4_e8m0, dequantize_fp8_tiles,
                          quantize_fp4_e8m0, quantize_fp8_tiles)
 
@@ -79,7 +79,7 @@ class FP8Linear(Linear):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, torch.float8_e4m3fn)
-        self.scale = torch.nn.Parameter(torch.empty(-(-out_features // WEIGHT_TILE), in_features // WEIGHT_TILE,
+        self.scale = torch.nn.Parameter(torch.empty(cdiv(out_features, WEIGHT_TILE), in_features // WEIGHT_TILE,
                                                     dtype=torch.float8_e8m0fnu))
 
     def dense_weight(self) -> torch.Tensor:
@@ -152,7 +152,7 @@ def file_layout(model, storage: Storage) -> dict[str, tuple[tuple[int, ...], tup
         if DENSE_AT_LOAD.fullmatch(module) and storage.of(module) == "fp8":
             out_features, in_features = p.shape
             layout[name] = (tuple(p.shape), ("F8_E4M3",))
-            layout[f"{module}.scale"] = ((-(-out_features // WEIGHT_TILE), in_features // WEIGHT_TILE), ("F8_E8M0",))
+            layout[f"{module}.scale"] = ((cdiv(out_features, WEIGHT_TILE), in_features // WEIGHT_TILE), ("F8_E8M0",))
         elif p.dtype == torch.float32:
             layout[name] = (tuple(p.shape), ("BF16", "F32") if BF16_IN_FILE.fullmatch(module) else ("F32", "BF16"))
         else:
@@ -173,7 +173,7 @@ def memory_plan(args: ModelArgs, storage: Storage, world_size: int = 1) -> dict[
         values = p.numel() * (2 if p.dtype == torch.float4_e2m1fn_x2 else 1)
         parts["dequantised bf16"] += 0 if name.endswith(".scale") else 2 * values
     parts["total"] = parts["routed experts"] + parts["Engram tables"] + parts["replicated"]
-    parts["per GPU"] = -(-parts["routed experts"] // world_size) + -(-parts["Engram tables"] // world_size) \
+    parts["per GPU"] = cdiv(parts["routed experts"], world_size) + cdiv(parts["Engram tables"], world_size) \
         + parts["replicated"]
     return parts
 
@@ -440,8 +440,6 @@ def quantize_checkpoint(source: str | Path, out: str | Path, shard_bytes: int = 
     """Write a project checkpoint (bf16) in the released format: FP8 dense linears (32x32 tiles), FP4
     routed experts, the rest as released, in shards of about `shard_bytes` with model.safetensors.index.json,
     config.json and inference/config.json, and the tokenizer files of the source. Returns the new digest."""
-    from model.checkpoint import CONFIG_FILE
-
     source, out = Path(source), Path(out)
     if is_released(source):
         raise CheckpointError(f"{source} is already in the released format; quantize a checkpoint made by "

@@ -19,8 +19,8 @@ from engine import LLM, SamplingParams
 from engine.tracer import MemoryTracer
 from model import invariant
 from model.checkpoint import init_checkpoint, init_weights
-from model.config import preset
-from model.paged import BLOCK_SIZE, ForwardBatch, PagedModel
+from model.config import BLOCK_SIZE, cdiv, preset
+from model.paged import ForwardBatch, PagedModel
 from model.transformer import Transformer
 
 
@@ -139,7 +139,7 @@ class Driver:
     """PagedModel with explicit rows; sequence i owns state slot i and blocks [i·nb, (i+1)·nb)."""
 
     def __init__(self, model: Transformer, n_seqs: int, batch_invariant: bool, max_len: int = 512):
-        self.nb, self.device = -(-max_len // BLOCK_SIZE), model.head.weight.device
+        self.nb, self.device = cdiv(max_len, BLOCK_SIZE), model.head.weight.device
         self.paged = PagedModel(model, n_seqs * self.nb, n_seqs, batch_invariant)
 
     def step(self, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-from model.checkpoint import load_model
+from model.load import load_model
 
 
 def mdi(*args, env=None):

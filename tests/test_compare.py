@@ -1,9 +1,9 @@
-"""The comparison rules of model/compare.py (ARCHITECTURE.md §6): a discrete choice that flips is a near
+"""The comparison rules of tracing/compare.py (ARCHITECTURE.md §6): a discrete choice that flips is a near
 tie only when its deciding scores, measured over the entries actually ranked, were within the noise."""
 import torch
 
-from model.compare import NOISE, Choices, NearTie, explain_choice
 from model.config import preset
+from tracing.compare import NOISE, Choices, NearTie, explain_choice
 
 
 def candidate_run(args, index_scores: torch.Tensor, kept_blocks: set[int]) -> Choices:

@@ -13,8 +13,8 @@ from engine import LLM, SamplingParams
 from engine.tracer import MemoryTracer
 from kernels.sampling import gumbel_noise
 from model.checkpoint import init_checkpoint
-from model.compare import TOL_BF16
 from model.reference import ReferenceModel
+from tracing.compare import TOL_BF16
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ import torch
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BLOCK_SIZE
+from model.config import BLOCK_SIZE
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepHandle
 from engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig
@@ -189,15 +189,15 @@ class Ledger:
     def on_schedule(self, batch):
         assert batch.step == self.next_step, f"step {batch.step} scheduled, expected {self.next_step}"
         assert sorted(batch.preempted) == sorted(self.preempted_now), (batch.preempted, self.preempted_now)
-        assert batch.kind in ("prefill", "decode") and (batch.rows or batch.preempted)
-        assert batch.kind == "decode" or not batch.preempted, "preemption happens in decode only"
+        assert batch.batch_kind in ("prefill", "decode") and (batch.rows or batch.preempted)
+        assert batch.batch_kind == "decode" or not batch.preempted, "preemption happens in decode only"
         seen = set()
         for r in batch.rows:
             s = r.seq_id
             self.live(s)
             assert s not in seen and s not in batch.preempted, f"sequence {s} twice or preempted in step {batch.step}"
             seen.add(s)
-            self.check_row(batch.kind, r)
+            self.check_row(batch.batch_kind, r)
         self.next_step, self.preempted_now = self.next_step + 1, []
 
     def check_row(self, kind, r):
@@ -497,10 +497,10 @@ def test_a_prefill_step_admits_max_num_seqs_prompts(max_num_seqs):
     for i in range(6):
         sched.add(Sequence(i, list(range(3, 23)), SamplingParams(max_tokens=4), seed=i))
     first = sched.schedule()
-    assert first.kind == "prefill" and [r.seq_id for r in first.rows] == list(range(max_num_seqs))
+    assert first.batch_kind == "prefill" and [r.seq_id for r in first.rows] == list(range(max_num_seqs))
     assert all(r.sample for r in first.rows)
     second = sched.schedule()  # ZOS: scheduled before the first step's tokens are processed
-    assert second.kind == "decode" and [r.seq_id for r in second.rows] == list(range(max_num_seqs))
+    assert second.batch_kind == "decode" and [r.seq_id for r in second.rows] == list(range(max_num_seqs))
 
 
 def test_a_partly_prefilled_prompt_counts_against_max_num_seqs():
@@ -515,4 +515,4 @@ def test_a_partly_prefilled_prompt_counts_against_max_num_seqs():
     assert [(r.seq_id, r.num_tokens, r.sample) for r in first.rows] == [(0, 20, True), (1, 80, False)]
     assert [q.seq_id for q in sched.running] == [0] and [q.seq_id for q in sched.waiting] == [1, 2]
     second = sched.schedule()
-    assert second.kind == "prefill" and [(r.seq_id, r.num_tokens) for r in second.rows] == [(1, 100)]
+    assert second.batch_kind == "prefill" and [(r.seq_id, r.num_tokens) for r in second.rows] == [(1, 100)]

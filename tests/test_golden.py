@@ -14,7 +14,7 @@ ARCHITECTURE.md §6), and say so (a print, shown with -rA, and the `golden_mode`
 hold no discrete choices of the official run, so a choice that flipped between the two platforms cannot
 be seen directly; `GoldenComparison` therefore goes position by position in causal order, and at the first
 position that breaks a rule it demands a confirmed near tie: a choice of this run at that position within
-the noise (model/compare.py `explain_choice`) whose other side, forced, brings the position back within the
+the noise (tracing/compare.py `explain_choice`) whose other side, forced, brings the position back within the
 rules. Everything after it is downstream and is held to lse only. A break that no such choice explains is a
 failure, except on a capability where the project is known not to reproduce the official code
 (golden-digests.json, `reproduced_by_project` false: DEFAULT), where it is reported as that known difference.
@@ -34,12 +34,12 @@ from safetensors.torch import load_file
 from conftest import DATA, ROOT
 from engine.platform import ISA_OVERRIDES, cpu_platform
 from model.checkpoint import init_weights, weights_digest
-from model.compare import (TOL_BF16, Choices, NearTie, _block_scores, compare_rows, explain, explain_choice,
-                           first_rounding_flip)
 from model.config import preset
 from model.paged import ForwardBatch, PagedModel
 from model.reference import ReferenceModel
 from model.transformer import Transformer
+from tracing.compare import (TOL_BF16, Choices, NearTie, _block_scores, compare_rows, explain, explain_choice,
+                           first_rounding_flip)
 
 # The golden outputs are bits of torch 2.13's CPU kernels: another build computes other bits.
 pytestmark = pytest.mark.skipif(not torch.__version__.startswith("2.13."),

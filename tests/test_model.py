@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from model.checkpoint import init_weights
-from model.compare import Choices, compare_rows, explain, first_rounding_flip, tolerance
-from model.config import preset
-from model.paged import BLOCK_SIZE, ForwardBatch, PagedModel
+from model.config import BLOCK_SIZE, cdiv, preset
+from model.paged import ForwardBatch, PagedModel
 from model.reference import ReferenceModel
 from model.transformer import Transformer
+from tracing.compare import Choices, compare_rows, explain, first_rounding_flip, tolerance
 
 
 @pytest.fixture(scope="module", params=["micro"])
@@ -43,7 +43,7 @@ class Paged:
     """Drives PagedModel with explicit rows (seq, start, tokens); each sequence owns distinct blocks."""
 
     def __init__(self, model: Transformer, n_seqs: int, max_len: int = 1024):
-        self.model, self.blocks_per_seq = model, -(-max_len // BLOCK_SIZE)
+        self.model, self.blocks_per_seq = model, cdiv(max_len, BLOCK_SIZE)
         self.paged = PagedModel(model, num_blocks=n_seqs * self.blocks_per_seq, num_slots=n_seqs)
         self.out: dict[int, dict[int, Row]] = {}
 
@@ -195,7 +195,7 @@ def test_tiny_68m_batch_of_four_prompts_then_decode(tiny):
 def test_layer_by_layer_comparison_localises_a_changed_weight(model):
     """Teacher forcing (ARCHITECTURE.md §6, per module with identical inputs): a 1% change of one
     layer's shared expert shows in that layer only, and identical weights show nothing."""
-    from model.compare import compare_layers
+    from tracing.compare import compare_layers
 
     changed = Transformer(preset("micro"))
     changed.load_state_dict(model.state_dict())

@@ -80,7 +80,7 @@ def moe_rows(rank):
 def rank_main(ckpt: str, out: str) -> None:
     """One rank: the sharded forwards, then LLM.generate over the ranks."""
     from engine import LLM
-    from model.checkpoint import load_model
+    from model.load import load_model
     from model.parallel import setup
 
     shard = setup("cpu")
@@ -98,9 +98,9 @@ def rank_main(ckpt: str, out: str) -> None:
         llm.engine.shutdown()
     engram_rows = weights.layers[1].engram.embed.weight.size(0)
     torch.save({"logits": logits, "invariant_logits": invariant_logits, "moe": moe,
-                "tokens": [o.token_ids for o in runs[False]], "ids": [o.request_id for o in runs[False]],
+                "tokens": [o.token_ids for o in runs[False]], "ids": [o.seq_id for o in runs[False]],
                 "invariant_tokens": [o.token_ids for o in runs[True]],
-                "invariant_ids": [o.request_id for o in runs[True]], "experts": experts, "engram_rows": engram_rows},
+                "invariant_ids": [o.seq_id for o in runs[True]], "experts": experts, "engram_rows": engram_rows},
                Path(out) / f"rank{shard.rank}.pt")
 
 
@@ -149,7 +149,7 @@ def ranks(checkpoint, tmp_path_factory):
 
 
 def test_each_rank_holds_half_the_experts_and_its_rows_of_the_engram_tables(ranks, checkpoint):
-    from model.checkpoint import load_model
+    from model.load import load_model
     full, _ = load_model(str(checkpoint))
     assert [r["experts"] for r in ranks] == [4, 4]
     assert sum(r["engram_rows"] for r in ranks) == full.layers[1].engram.embed.weight.size(0)
@@ -161,7 +161,7 @@ def test_the_sharded_forward_gives_the_single_process_logits_bit_for_bit(ranks, 
     each rank's logits equal one process's over the same rows, bit for bit (the exact-sum design of
     model/parallel.py, and CPU bf16 GEMM rows that do not depend on the other rows; in the batch-invariant
     mode every GEMM has fixed tiles besides)."""
-    from model.checkpoint import load_model
+    from model.load import load_model
     weights, _ = load_model(str(checkpoint))
     torch.set_num_threads(1)
     key, invariant = ("logits", False) if mode == "default" else ("invariant_logits", True)

@@ -143,16 +143,16 @@ def test_a_choice_flipped_in_pass_1_alone_is_shape_noise(unbroken, monkeypatch):
     """A discrete choice that differs by a clear gap in pass 1, where the teacher-forced pass makes the
     reference's choice and names no module, is shape noise (issue #16: a decode shape's candidate blocks
     against the prefill shape's), reported as such, not a divergence."""
-    import model.compare
+    import tracing.compare
 
-    explain, flipped = model.compare.explain, []
+    explain, flipped = tracing.compare.explain, []
 
     def flip_once(ref, ref_row, got, got_row):
         if not flipped and ref_row == 130:  # one position of pass 1, a decode row past the window
             flipped.append(ref_row)
             return f"row {ref_row}: candidate blocks of layer 6 differ ([0] vs [13]) with a clear gap 0.0915"
         return explain(ref, ref_row, got, got_row)
-    monkeypatch.setattr(model.compare, "explain", flip_once)
+    monkeypatch.setattr(tracing.compare, "explain", flip_once)
     r = check_against_reference(unbroken)
     assert flipped and r.divergence is None, r.divergence
     assert r.noise >= 1 and any("clear gap 0.0915" in note for _, _, note in r.noise_notes), r.noise_notes

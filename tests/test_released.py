@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from model import released as R
 from model.attention import Linear
-from model.checkpoint import CheckpointError, init_checkpoint, load_model
+from model.checkpoint import CheckpointError, init_checkpoint
+from model.load import load_model
 from model.engram import compressed_token_map
 from model.quant import act_quant_fp8, pack_e2m1, unpack_e2m1
 from model.reference import ReferenceModel

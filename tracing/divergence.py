@@ -9,7 +9,7 @@ the whole sequence (as the official code's), so a longer sequence changes the bi
 length, the whole request gives the same bits, so it is computed once. The recorded batches are
 re-executed in order on the paged model with every input token taken from the trace, so a token that
 flipped at a near tie never derails the rows after it. Every position's logits are compared with the
-reference's by the rules of model/compare.py: a discrete choice that differs at a near tie, or an FP8
+reference's by the rules of tracing/compare.py: a discrete choice that differs at a near tie, or an FP8
 window code one step away, is a named near tie, and comparison goes on (the summary counts the positions
 compared after a request's first tie). A position over the tolerance that no near tie explains, or a
 choice that differs by a clear gap, is a suspect for pass 2. A sampled token is compared with the token the
@@ -104,7 +104,7 @@ class _Reference:
     With `tap`, also every module's output at every position (`self.tap`, for pass 2)."""
 
     def __init__(self, weights, tokens: list[int], tap: bool = False):
-        from model.compare import Choices
+        from tracing.compare import Choices
         from model.reference import ReferenceModel
 
         self.weights, self.tokens = weights, tokens
@@ -175,7 +175,7 @@ class _Force:
 
 class _Replay:
     """The paged model re-executing recorded batches, every input token from the request's token list. The
-    inputs are built as the engine builds them (ModelRunner.prepare and unpack), always eagerly."""
+    inputs are built as the engine builds them (ModelRunner.logits), always eagerly."""
 
     def __init__(self, weights, engine: dict, seqs: dict[int, list[int]]):
         from engine.model_runner import ModelRunner
@@ -187,7 +187,7 @@ class _Replay:
 
     def run(self, batch, capture=None) -> torch.Tensor:
         """Logits [B, S, vocab] of every token of the batch, on the host."""
-        from engine.scheduler import ScheduledBatch
+        from engine.step import ScheduledBatch
 
         rows = []
         for r in batch.rows:
@@ -196,9 +196,7 @@ class _Replay:
                 raise TraceError(f"step {batch.step}: request {r.seq_id}'s row reaches position "
                                  f"{r.start + r.num_tokens - 1}, past the tokens the trace holds for it.")
             rows.append(replace(r, token_ids=tokens))
-        inputs = self.runner.prepare(ScheduledBatch(batch.step, batch.kind, rows))
-        fb = self.runner.unpack(inputs.ints.to(self.runner.device), inputs.S, inputs.context_len, inputs.decode)[0]
-        return self.model.forward(fb, all_logits=True, capture=capture).float().cpu()
+        return self.runner.logits(ScheduledBatch(batch.step, batch.batch_kind, rows), capture).float().cpu()
 
 
 @dataclass(slots=True)
@@ -244,7 +242,7 @@ class _Check:
     step differs only by a bug or by that step's own arithmetic), the references and the requests' tracks."""
 
     def __init__(self, weights, trace: TraceFile, localise: bool):
-        from model.compare import tolerance
+        from tracing.compare import tolerance
 
         self.weights, self.localise = weights, localise
         self.seqs, self.recorded = request_tokens(trace), recorded_tokens(trace)
@@ -281,7 +279,7 @@ class _Check:
     def step(self, batch) -> bool:
         """Compare one step's rows, then run it teacher-forced on `lag`, where pass 2 decides every row pass 1
         could not clear. True when the check is over (a divergence)."""
-        from model.compare import Choices
+        from tracing.compare import Choices
 
         choices = Choices(self.weights.args)
         hooks = choices.hooks(self.weights)
@@ -323,7 +321,7 @@ class _Check:
         (the inputs are the recorded tokens, so every later position is still checked). Returns None when
         the row is clear, a _Suspect for pass 2, or a Divergence (the recorded token, which neither the
         re-execution nor the reference gives)."""
-        from model.compare import NearTie, explain, rounding_flip
+        from tracing.compare import NearTie, explain, rounding_flip
 
         result, tol, S = self.result, self.tol, logits.size(1)
         ref_logits = ref.logits(row.start, row.start + row.num_tokens)
@@ -394,7 +392,7 @@ class _Tap:
     OUTPUTS = ("engram", "window_kv", "sparse_attn", "attn_out", "block")
 
     def __init__(self, weights, rows, whole: bool = False):
-        from model.compare import Choices
+        from tracing.compare import Choices
 
         self.rows, self.whole = rows, whole
         self.out: dict[tuple[int, str], torch.Tensor] = {}
@@ -434,7 +432,7 @@ def _one_code_apart(got: torch.Tensor, ref: torch.Tensor, fmt: str, block: int, 
     """Every element within one code of the reference's: e4m3 codes are at most 2^-3 of the larger value
     apart; e2m1 codes 0.5, 1 and 2 group scales apart below 2, 4 and 6 scales, the scale amax / 6 (rounded
     up to a power of two for ue8m0 scales, and allowed an e4m3 ulp otherwise)."""
-    from model.compare import E4M3_STEP
+    from tracing.compare import E4M3_STEP
     from model.quant import pow2ceil
 
     a, b = got.float(), ref.float()
@@ -478,7 +476,7 @@ def _localise(weights, lag: _Replay, batch, force: _Force, suspects: list[_Suspe
 def _first_module(weights, lag: _Replay, row, suspect: _Suspect, got: _Tap, ref: _Tap, ring, S: int):
     """The first module of the suspect's row whose output (with teacher-forced inputs) is over the per-module
     tolerance, or whose discrete choice differs by a clear gap; else a sentence saying why none is."""
-    from model.compare import CHOICES, NearTie, explain_choice
+    from tracing.compare import CHOICES, NearTie, explain_choice
 
     args, b, p = weights.args, suspect.b, suspect.divergence.position
     start, j = row.start, p - row.start  # the suspect position's index in the row's chunk

@@ -59,7 +59,8 @@ def load_recorded_model(trace: TraceFile, model: str | None, device: str):
     CPU, with the recorded intra-op thread count (the CPU kernels' bits depend on it)."""
     import torch
 
-    from model.checkpoint import CheckpointError, load_model
+    from model.checkpoint import CheckpointError
+    from model.load import load_model
 
     header = trace.header
     source = model or header.get("model_source") or "tiny-68m"
@@ -120,7 +121,7 @@ def request_tokens(trace: TraceFile) -> dict[int, list[int]]:
 
 def recorded_batches(trace: TraceFile, until: int | None = None):
     """The recorded ScheduledBatches in step order, up to and including step `until`."""
-    from engine.scheduler import ScheduledBatch, ScheduledRow
+    from engine.step import ScheduledBatch, ScheduledRow
 
     for e in trace.events():
         if e.kind == "schedule" and (until is None or e.fields[1] <= until):
@@ -164,7 +165,7 @@ def check_tokens(trace: TraceFile, model: str | None = None, device: str = "cpu"
                 on_step(i, len(batches))
             if not batch.rows:
                 continue
-            got = runner.execute(tokens.feed(batch)).wait()
+            got = runner.execute(tokens.feed(batch)).wait().tokens
             result.steps += 1
             if step is None or batch.step == step:
                 tokens.compare(batch, got, runner.last_logits)
@@ -198,7 +199,7 @@ class _Tokens:
     """The recorded tokens, compared with the re-executed ones by the rule of the module docstring."""
 
     def __init__(self, trace: TraceFile, weights, result: ExecuteResult):
-        from model.compare import tolerance
+        from tracing.compare import tolerance
 
         self.result, self.tol = result, tolerance(weights)
         self.recorded = recorded_tokens(trace)

@@ -108,7 +108,7 @@ class Recorder:
         # a row as a tuple of its fields (msgpack writes it as an array, like a list), read in C; no copies: a
         # ScheduledRow is a value, its token_ids and block_table lists are the scheduler's copies, never changed
         rows = list(map(_row_fields, batch.rows))
-        self._emit("schedule", self._now(), batch.step, BATCH_KINDS.index(batch.kind), rows, list(batch.preempted))
+        self._emit("schedule", self._now(), batch.step, BATCH_KINDS.index(batch.batch_kind), rows, list(batch.preempted))
 
     def reservation(self, step, seq_id, epoch, output_position):  # once per row: no _emit/_now calls
         self.pending.append([_RESERVATION, _now_ns() - self.t0, step, seq_id, epoch, output_position])

@@ -27,6 +27,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine import scheduler, sequence
+from model.config import BLOCK_SIZE
 
 from tracing.reader import Cut, Event, TraceError, TraceFile
 from tracing.schema import BATCH_KINDS, ROW_FIELDS
@@ -90,10 +91,10 @@ class _Replay:
     def __init__(self, header: dict):
         self.Sequence, self.SamplingParams = sequence.Sequence, sequence.SamplingParams
         engine = header.get("engine") or {}
-        block_size = engine.get("block_size", sequence.BLOCK_SIZE)
-        if block_size != sequence.BLOCK_SIZE:
+        block_size = engine.get("block_size", BLOCK_SIZE)
+        if block_size != BLOCK_SIZE:
             raise TraceError(f"the trace was recorded with {block_size}-token KV blocks, this scheduler uses "
-                             f"{sequence.BLOCK_SIZE}; replay it with the mini-DeepInfer that recorded it.")
+                             f"{BLOCK_SIZE}; replay it with the mini-DeepInfer that recorded it.")
         names = [f.name for f in dataclasses.fields(scheduler.SchedulerConfig)]
         missing = [n for n in names if n not in engine]
         if missing:
@@ -148,8 +149,8 @@ class _Replay:
             return self.differ(None, "batch", f"a {BATCH_KINDS[kind]} batch", "none (nothing to schedule)", step)
         if batch.step != step:
             return self.differ(None, "step", step, batch.step, step)
-        if batch.kind != BATCH_KINDS[kind]:
-            return self.differ(None, "kind", BATCH_KINDS[kind], batch.kind, step)
+        if batch.batch_kind != BATCH_KINDS[kind]:
+            return self.differ(None, "kind", BATCH_KINDS[kind], batch.batch_kind, step)
         want, got = [row[0] for row in rows], [row.seq_id for row in batch.rows]
         if want != got:
             odd = [s for s in want if s not in got] + [s for s in got if s not in want]  # missing, then extra
@@ -166,4 +167,4 @@ class _Replay:
             self.batches[step] = batch
         self.result.steps += 1
         self.result.rows += len(rows)
-        self.result.kinds[batch.kind] += 1
+        self.result.kinds[batch.batch_kind] += 1

@@ -66,7 +66,7 @@ from __future__ import annotations
 from collections import Counter, namedtuple
 from dataclasses import dataclass, field
 
-from engine.scheduler import tables_digest
+from engine.step import tables_digest
 from tracing.reader import Event, TraceFile
 from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, PHASES, ROW_FIELDS
 

@@ -349,7 +349,7 @@ def _generate(a) -> int:
     for col in ("request", "prompt tokens", "output tokens", "finish"):
         table.add_column(col)
     for o in outs:
-        table.add_row(str(o.request_id), str(len(o.prompt_token_ids)), " ".join(map(str, o.token_ids)), o.finish_reason)
+        table.add_row(str(o.seq_id), str(len(o.prompt_token_ids)), " ".join(map(str, o.token_ids)), o.finish_reason)
     console = Console()
     console.print(table)
     total = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)

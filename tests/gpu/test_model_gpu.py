@@ -12,11 +12,11 @@ from conftest import DATA  # noqa: E402
 from test_model import Paged, assert_agrees, prompts  # noqa: E402
 
 from model.checkpoint import init_weights  # noqa: E402
-from model.compare import Choices, compare_rows, explain, first_rounding_flip, tolerance  # noqa: E402
 from model.config import preset  # noqa: E402
 from model.paged import ForwardBatch, PagedModel  # noqa: E402
 from model.reference import ReferenceModel  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
+from tracing.compare import Choices, compare_rows, explain, first_rounding_flip, tolerance  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -131,7 +131,7 @@ def test_paged_decode_step_replays_in_a_cuda_graph():
 def test_cuda_layers_match_cpu_with_identical_inputs(mode, rel_tol):
     """Per layer with the CPU's inputs (teacher forcing): fp32 within 1e-5 relative, bf16 within a few
     bf16 ulps, except named near ties inside the layer."""
-    from model.compare import compare_layers
+    from tracing.compare import compare_layers
 
     cpu, gpu = build("tiny-68m", "cpu", mode), build("tiny-68m", "cuda", mode)
     tokens = json.loads((DATA / "tiny-68m-seed0.prompts.json").read_text())["A"]
