@@ -16,7 +16,7 @@ class NullTracer:
     def request_added(self, seq_id, prompt_token_ids, params, seed): pass
     def schedule(self, batch): pass                           # a ScheduledBatch: the step's explicit input
     def reservation(self, step, seq_id, epoch, output_position): pass  # num_inflight += 1
-    def epoch_bump(self, seq_id, epoch, reason): pass          # reason: "preempt" or "abort"
+    def epoch_bump(self, seq_id, epoch, reason): pass          # reason: "preempt" or "cancel"
     def block_alloc(self, seq_id, block_ids): pass
     def block_free(self, seq_id, block_ids): pass
     def slot_alloc(self, seq_id, slot): pass

@@ -155,7 +155,7 @@ class Ledger:
 
     def on_epoch_bump(self, s, epoch, reason):
         assert epoch == self.epoch[s] + 1, f"epoch of {s} goes {self.epoch[s]} -> {epoch}"
-        expected = "preempt" if self.prev[:1] == ("preempt",) else "abort"
+        expected = "preempt" if self.prev[:1] == ("preempt",) else "cancel"
         assert self.prev[0] in ("preempt", "cancel") and self.prev[2] == s and reason == expected, \
             f"epoch bump ({reason}) of {s} not right after its preempt or cancel: {self.prev}"
         self.epoch[s] = epoch

@@ -204,7 +204,7 @@ def test_round_trip_of_every_event_kind(full):
     assert set(tf.header) == set(schema.HEADER_FIELDS)
     assert all(conforms(tf.header[k], header_types[k]) for k in schema.HEADER_FIELDS)
     assert {schema.FINISH_REASONS[e.reason] for e in events if e.kind == "finish"} == {"stop", "length", "abort"}
-    assert {schema.EPOCH_REASONS[e.reason] for e in events if e.kind == "epoch_bump"} == {"preempt", "abort"}
+    assert {schema.EPOCH_REASONS[e.reason] for e in events if e.kind == "epoch_bump"} == {"preempt", "cancel"}
     assert {e.appended for e in events if e.kind == "token"} == {True, False}
     assert {schema.PHASES[e.phase] for e in events if e.kind == "cpu_span"} == set(schema.PHASES)
     assert all(e.start <= e.end for e in events if e.kind in ("cpu_span", "device_span"))

@@ -38,7 +38,7 @@ ROW_FIELDS = ("seq_id", "epoch", "start", "token_ids", "block_table", "state_slo
               "temperature", "output_position")
 BATCH_KINDS = ("prefill", "decode")
 PHASES = ("schedule", "execute", "process")
-EPOCH_REASONS = ("preempt", "abort")
+EPOCH_REASONS = ("preempt", "cancel")
 FINISH_REASONS = ("stop", "length", "abort")
 
 # The type of every field, written as SCHEMA.md writes it: int, float, bool, str, nil, map (str keys), list[...],

@@ -73,7 +73,7 @@ from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, K
 Row = namedtuple("Row", ROW_FIELDS)
 SHARED_HEADER = ("checkpoint_digest", "model", "model_source", "dtype", "engine", "seed", "torch", "intra_op_threads")
 RELEASE_EVENTS = ("epoch_bump", "block_free", "slot_free", "finish")  # what may follow a cancel (Scheduler.abort)
-BUMP_REASON = {"preempt": "preempt", "cancel": "abort"}              # the event before an epoch bump -> its reason
+BUMP_REASON = {"preempt": "preempt", "cancel": "cancel"}             # the event before an epoch bump -> its reason
 NO_TIME = float("-inf")                                              # before the first clock reading
 MAX_FINDINGS = 100        # violations kept (in log order); the rest are counted in Findings.total
 SHOWN = 32                # entries of a list (block ids, steps, requests) that a message shows
