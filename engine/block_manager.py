@@ -1,6 +1,6 @@
-"""Ownership of the two kinds of state (ARCHITECTURE.md §4): KV blocks and state slots.
+"""KV blocks and state slots, one owner each (mirrors DeepInfer's csrc/engine/block_manager.hpp; ARCHITECTURE.md §4).
 
-Mirrors DeepInfer's csrc/engine/block_manager.hpp. A KV block holds 128 token positions of every
+A KV block holds 128 token positions of every
 kv-source layer's compressed entries and index keys (`BlockManager`); a state slot holds one sequence's
 window rings, compressor tails and Engram history (`StateManager`). Each id has exactly one owner. The
 scheduler frees both together, always: preemption, finish and cancellation call `free` on both.

@@ -1,4 +1,4 @@
-"""The user's entry point: `LLM(...).generate(prompts, sampling_params)` (nano-vllm's and vLLM's API).
+"""The user's entry point (DeepInfer's, vLLM's and nano-vllm's API): `LLM(...).generate(prompts, sampling_params)`.
 
     from engine import LLM, SamplingParams
     llm = LLM("tiny-68m")                       # the embedded checkpoint, created on first use

@@ -1,6 +1,6 @@
-"""The engine: requests in, one step at a time, under the step contract (ARCHITECTURE.md §3).
+"""The engine loop (DeepInfer's, as nano-vllm's engine/llm_engine.py): one step at a time (ARCHITECTURE.md §3).
 
-Mirrors DeepInfer's engine loop (nano-vllm's engine/llm_engine.py). With ZOS on, step N is
+With ZOS on, step N is
 scheduled and enqueued before step N-1's result is read:
 
     schedule(N)  ->  execute(N)  ->  process(N-1)      (the device runs N-1 while the CPU schedules N)

@@ -1,6 +1,6 @@
-"""The model runner: a ScheduledBatch in, a StepHandle out (ARCHITECTURE.md §3).
+"""The model runner (mirrors DeepInfer's deepinfer/worker/worker.py and the remap of csrc/engine/zos.cpp).
 
-Mirrors DeepInfer's deepinfer/worker/worker.py and the remap of csrc/engine/zos.cpp. `execute` only
+A ScheduledBatch in, a StepHandle out (ARCHITECTURE.md §3). `execute` only
 enqueues: it builds the device inputs, gathers in-flight input tokens on the device from the
 next-token buffer (indexed by state slot: "remap"), runs the forward and the sampler, writes each
 sampled token back into that buffer and starts the copy to the host. `StepHandle.wait()` is the only

@@ -1,6 +1,6 @@
-"""The scheduler: which sequences run in the next step, and what that step's explicit input is.
+"""The scheduler (mirrors DeepInfer's csrc/engine/scheduler.hpp): which sequences run next, and the step's input.
 
-Mirrors DeepInfer's csrc/engine/scheduler.hpp (nano-vllm's engine/scheduler.py). `schedule()` returns a
+As nano-vllm's engine/scheduler.py. `schedule()` returns a
 `ScheduledBatch` value (promise 1 of ARCHITECTURE.md §2) and is the only place that changes the queues
 before the device runs; `process()` applies a step's sampled tokens afterwards.
 

@@ -1,6 +1,6 @@
-"""A request's state in the engine: `Sequence` (one per request, same id) and `SamplingParams`.
+"""A request's state (mirrors DeepInfer's csrc/engine/sequence.hpp): `Sequence` (same id) and `SamplingParams`.
 
-Mirrors DeepInfer's csrc/engine/sequence.hpp (nano-vllm's engine/sequence.py). A sequence has two
+As nano-vllm's engine/sequence.py. A sequence has two
 lengths: `len(token_ids)`, the tokens the CPU knows, and `get_len()`, which adds the tokens already
 scheduled but not yet returned by the device (`num_inflight`, the reservations of ZOS).
 """

@@ -1,5 +1,7 @@
-"""Sparse attention with a sink (spec §2.8) as one Triton kernel: the gather of each query's KV rows, the
-scores, the online softmax and P·V, with the numerics of model/attention.py's `sparse_attn`.
+"""Sparse attention with a sink (spec §2.8) as one Triton kernel (mirrors `sparse_attn` of DeepSeek's kernel.py).
+
+The gather of each query's KV rows, the scores, the online softmax and P·V, with the numerics of
+model/attention.py's `sparse_attn`.
 
 Mirrors the `sparse_attn` kernel of DeepSeek's inference/kernel.py. The torch path materialises every
 query's gathered rows ([B, S, 64, D] fp32 per block of the index list) and runs ~75 small ops per

@@ -1,4 +1,4 @@
-"""A batch-invariant GEMM for the batch-invariant mode on CUDA (issue #11, model/invariant.py).
+"""A batch-invariant GEMM for the batch-invariant mode on CUDA (issue #11, model/invariant.py); DeepInfer has none.
 
 C[b] = A[b] · B[b]ᵀ for A [batch, M, K] and B [batch, N, K] (B's rows are the outputs, as a weight's), with
 fp32 accumulation and one rounding to A's dtype. One configuration for every shape (block sizes, warps,

@@ -1,6 +1,7 @@
-"""Hyper-connections on CUDA (spec §3): the mixes (pre, post and the Sinkhorn-normalised comb of every token)
-in one Triton kernel, and the collapse (hc_pre) and expand (hc_post) in one each, replacing model/hc.py's
-torch ops on CUDA.
+"""Hyper-connections on CUDA (spec §3; mirrors `hc_split_sinkhorn` of DeepSeek's inference/kernel.py).
+
+The mixes (pre, post and the Sinkhorn-normalised comb of every token) in one Triton kernel, and the collapse
+(hc_pre) and expand (hc_post) in one each, replacing model/hc.py's torch ops on CUDA.
 
 Mirrors the `hc_split_sinkhorn` kernel of DeepSeek's inference/kernel.py. The torch path (model/hc.py) is
 about 90 small ops per call (20 Sinkhorn rounds of sums and divisions on [N, 4, 4]), 24 calls per forward

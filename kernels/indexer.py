@@ -1,5 +1,7 @@
-"""The indexer between its projections and its top-k (spec §2.7), and the index list after it, as Triton
-kernels: where a decode step of tiny-68m launched ~25 small torch ops per index layer (issue #7's profile).
+"""The indexer's scores and index list (spec §2.7) as Triton kernels (DeepSeek's inference/model.py `Indexer`).
+
+Between its projections and its top-k, and the index list after it: where a decode step of tiny-68m launched
+~25 small torch ops per index layer (issue #7's profile).
 
 - `index_scores`: score(p, j) = bf16(Σ_h bf16(relu(bf16(q_h·k_j)) · w_h)), -inf where j >= V(p). One
   program takes a block of queries of one row against a block of entries, all heads: q_h·k_j on the tensor

@@ -1,5 +1,7 @@
-"""The grouped MoE's SwiGLU between its two GEMMs (spec §5) as one Triton kernel: clamps, silu, the
-routing weight, and the layout the second GEMM wants; and the combine after the second GEMM.
+"""The grouped MoE's SwiGLU as one Triton kernel (spec §5; mirrors `Expert.forward` of DeepSeek's inference/model.py).
+
+Between its two GEMMs: clamps, silu, the routing weight, and the layout the second GEMM wants; and the
+combine after the second GEMM.
 
 Mirrors the expert activation of DeepSeek's inference/model.py (`Expert.forward` between w1/w3 and w2).
 model/moe.py's grouped path runs every expert and the shared one on every row; between its GEMMs the

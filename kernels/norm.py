@@ -1,4 +1,4 @@
-"""RMSNorm (spec §6) as one Triton kernel: w ⊙ x·rsqrt(mean(x²) + eps) in fp32, rounded once to x's dtype.
+"""RMSNorm (spec §6) as one Triton kernel (mirrors DeepSeek's inference/model.py): w ⊙ x·rsqrt(mean(x²) + eps).
 
 Mirrors the RMSNorm of DeepSeek's inference/model.py; the torch path is model/attention.py's `RMSNorm`
 (7 ops a call, about 60 calls a forward of tiny-68m). Numerics: fp32 throughout as the torch path, with a

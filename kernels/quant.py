@@ -1,5 +1,4 @@
-"""The FP8 and FP4 quantisation simulations (spec §2.5) as one Triton kernel each call, bit for bit the
-values of model/quant.py.
+"""FP8 and FP4 quantisation (spec §2.5) as Triton kernels (mirrors DeepSeek's inference/kernel.py act_quant).
 
 Mirrors `act_quant` and `fp4_act_quant` of DeepSeek's inference/kernel.py ("inplace": quantise, then
 dequantise back to the input dtype). model/quant.py spends ~25 small ops a call (amax, the power-of-two

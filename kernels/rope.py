@@ -1,4 +1,4 @@
-"""RoPE (spec §2.2) as one Triton kernel: rotate the last R dims of a tensor in place, pair by pair.
+"""RoPE (spec §2.2) as one Triton kernel (mirrors DeepSeek's inference/model.py): rotate the last R dims in place.
 
 Mirrors the rotary embedding of DeepSeek's inference/model.py (`apply_rotary_emb`); the torch path is
 model/rope.py's `apply_rope` (upcast, a complex64 product, the copy back: 3-4 launches a call, ~47 calls

@@ -1,5 +1,4 @@
-"""Attention of DeepSeek-V4.1 (spec §2): parameters with the official names, and the math both model
-forms share.
+"""Attention of DeepSeek-V4.1 (spec §2), mirroring DeepSeek's inference/model.py: the math both model forms share.
 
 Mirrors `Attention`, `Compressor`, `Indexer`, `select_candidate_blocks` and the `sparse_attn` kernel of
 DeepSeek's inference/model.py and kernel.py. The modules hold parameters and per-token projections

@@ -1,4 +1,4 @@
-"""Model configuration: `ModelArgs` with the official field names, the layer roles, and the presets.
+"""Model configuration (mirrors `ModelArgs` of DeepSeek's inference/model.py), the layer roles, and the presets.
 
 Mirrors `ModelArgs` in DeepSeek's inference/model.py (spec §1.1); the field names are the keys of the
 official `inference/config.json`, so a config file reads in both codebases. Vision and DSpark fields are

@@ -1,4 +1,4 @@
-"""Engram (spec §4): the n-gram hash layout, the hashing an engine can run chunk by chunk, and the module.
+"""Engram (spec §4), mirroring DeepSeek's inference/engram.py and inference/model.py: hash layout, hashing, module.
 
 Mirrors DeepSeek's inference/engram.py (`EngramLayout`, `NgramHashState`, `build_compressed_token_map`)
 and the `ParallelEngramEmbedding` and `Engram` classes of inference/model.py, with parameters under the

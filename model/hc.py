@@ -1,4 +1,4 @@
-"""Hyper-connections (mHC, spec §3): the residual stream as `hc_mult` copies, mixed per sublayer.
+"""Hyper-connections (mHC, spec §3; mirrors DeepSeek's inference/model.py): the residual stream as `hc_mult` copies.
 
 Mirrors `Block.hc_mixes/hc_pre/hc_post` of DeepSeek's inference/model.py and the `hc_split_sinkhorn`
 kernel. The stream is bf16; the coefficients stay fp32 and are never rounded.

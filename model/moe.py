@@ -1,4 +1,4 @@
-"""Mixture of experts (spec §5): the sqrt-softplus gate and clamped SwiGLU experts.
+"""Mixture of experts (spec §5; mirrors DeepSeek's inference/model.py): sqrt-softplus gate, clamped SwiGLU experts.
 
 Mirrors `Gate`, `Expert` and `MoE` of DeepSeek's inference/model.py. Dispatch paths:
 - CPU: each expert runs on its own rows (the official loop); the bits the CPU tests pin.

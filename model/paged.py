@@ -1,4 +1,4 @@
-"""The paged, batched model the engine runs (spec §7.2-7.3, ARCHITECTURE.md §3-§4).
+"""The paged, batched model the engine runs (DeepInfer's deepinfer/worker/worker.py over DeepSeek's inference/model.py).
 
 One forward over a batch of rows, each row a chunk [s, s+n) of one sequence at any position: a
 prefill from 0, a later chunk of a chunked prefill, or a one-token decode. Two kinds of state:

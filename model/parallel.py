@@ -1,4 +1,4 @@
-"""EP x DP (ARCHITECTURE.md §8): the helpers the sharded layers call, and where this process sits.
+"""EP x DP (ARCHITECTURE.md §8; DeepSeek's inference/model.py rank split): the sharded layers' helpers, this rank.
 
 Mirrors the expert-parallel, data-parallel layout DeepInfer serves V4.1-Flash with on several GPUs, and the
 `world_size`/`rank` split of DeepSeek's inference/model.py (`MoE`'s `experts_start_idx`, the row split of

@@ -1,5 +1,4 @@
-"""Quantisation simulations: FP8 e4m3 and FP4 e2m1 with per-group scales (spec §2.5), and the FP8 storage
-of the Engram tables (spec §4.1).
+"""Quantisation simulations (mirrors DeepSeek's inference/kernel.py): FP8 e4m3, FP4 e2m1, Engram FP8 storage.
 
 Mirrors `act_quant` and `fp4_act_quant` of DeepSeek's inference/kernel.py (through tt-metal's torch port
 kernel_cpu.py), in their "inplace" form: quantise, then dequantise back to the input dtype, so a caller sees

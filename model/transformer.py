@@ -1,4 +1,4 @@
-"""The parameters of DeepSeek-V4.1 under their official names (spec §1, §6): `Transformer` and `Block`.
+"""The parameters of DeepSeek-V4.1 (mirrors the module tree of DeepSeek's inference/model.py): `Transformer`, `Block`.
 
 Mirrors the module tree of DeepSeek's inference/model.py, so `state_dict()` has exactly the names,
 shapes, dtypes and order of the official checkpoint (tests/data/tiny-68m.state_dict.tsv). Forward
