@@ -43,14 +43,14 @@ import torch
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from model.config import BLOCK_SIZE
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepHandle
-from engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.step import ScheduledRow
 from engine.tracer import MemoryTracer
 from model.checkpoint import init_weights
-from model.config import preset
+from model.config import BLOCK_SIZE, preset
 from model.transformer import Transformer
 
 EOS = SchedulerConfig().eos_token_id
