@@ -51,7 +51,7 @@ def writer_throughput(path: Path, steps: int, batch: int) -> tuple[float, float]
         rows = [SimpleNamespace(seq_id=s, epoch=0, start=128 + step, token_ids=[None], block_table=[s, batch + s],
                                 state_slot=s, sample=True, seed=s, temperature=1.0, output_position=step)
                 for s in range(batch)]
-        rec.schedule(SimpleNamespace(step=step, kind="decode", rows=rows, preempted=[]))
+        rec.schedule(SimpleNamespace(step=step, batch_kind="decode", rows=rows, preempted=[]))
         for s in range(batch):
             rec.reservation(step, s, 0, step)
             if step % 16 == 0:

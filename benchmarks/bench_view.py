@@ -83,7 +83,7 @@ def synthesize(path: Path, n_events: int, batch: int = 16) -> None:
         rows = [SimpleNamespace(seq_id=s, epoch=0, start=64 + step, token_ids=[None], block_table=[2 * k, 2 * k + 1],
                                 state_slot=k, sample=True, seed=s, temperature=1.0, output_position=step)
                 for k, s in enumerate(seqs)]
-        rec.schedule(SimpleNamespace(step=step, kind="decode", rows=rows, preempted=preempted))
+        rec.schedule(SimpleNamespace(step=step, batch_kind="decode", rows=rows, preempted=preempted))
         for s in seqs:
             rec.reservation(step, s, 0, step)
         rec.cpu_span(step, "schedule", t, t + 20_000)

@@ -57,7 +57,7 @@ def decode_log(path: Path, n_events: int, batch: int = 16, sampled: int | None =
         rows = [SimpleNamespace(seq_id=s, epoch=0, start=64 + step, token_ids=[None], block_table=[2 * k, 2 * k + 1],
                                 state_slot=k, sample=k < sampled, seed=s, temperature=1.0, output_position=step)
                 for k, s in enumerate(seqs)]
-        rec.schedule(SimpleNamespace(step=step, kind="decode", rows=rows, preempted=preempted))
+        rec.schedule(SimpleNamespace(step=step, batch_kind="decode", rows=rows, preempted=preempted))
         for s in seqs[:sampled]:
             rec.reservation(step, s, 0, step)
         base = rec.t0 + 400_000 * step
