@@ -55,6 +55,7 @@ OFF_PATH = {
     "model/checkpoint.py": "random init, safetensors save and load: start-up, not a step",
     "model/released.py": "the released checkpoint's names and formats: start-up, not a step",
     "model/load.py": "load_model: a preset or a folder to a Transformer, at start-up",
+    "model/slice.py": "the v41-slice preset's weights, drawn in the released format on the device at start-up",
     "model/reference.py": "the plain reference model: the checker's side, not the engine's",
     "model/parallel.py": "EP x DP over several processes: the layers call it only when world_size > 1",
     "model/invariant.py": "the batch-invariant mode (off by default): off, each hook is the torch op it names",

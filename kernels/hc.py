@@ -80,24 +80,26 @@ if triton is not None:
         tl.store(out_ptr + row * M + m, acc * rstd, mask=m < M)
 
     @triton.jit
-    def _hc_pre_kernel(h_ptr, pre_ptr, out_ptr, D: tl.constexpr, HC: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # one token: h [HC, D], pre [HC]
-        j, d = tl.arange(0, HC), tl.arange(0, D)
-        h = tl.load(h_ptr + row * HC * D + j[:, None] * D + d[None, :]).to(tl.float32)
+    def _hc_pre_kernel(h_ptr, pre_ptr, out_ptr, D: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one token: h [HC, D], pre [HC]; BLOCK_D = D rounded up to 2^n
+        j, d = tl.arange(0, HC), tl.arange(0, BLOCK_D)
+        h = tl.load(h_ptr + row * HC * D + j[:, None] * D + d[None, :], mask=d[None, :] < D).to(tl.float32)
         pre = tl.load(pre_ptr + row * HC + j)
-        tl.store(out_ptr + row * D + d, tl.sum(pre[:, None] * h, axis=0).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + row * D + d, tl.sum(pre[:, None] * h, axis=0).to(out_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
-    def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, HC: tl.constexpr):
+    def _hc_post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, HC: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # one token: y [D], h [HC, D], post [HC], comb [HC, HC]
-        j, d = tl.arange(0, HC), tl.arange(0, D)
-        y = tl.load(y_ptr + row * D + d).to(tl.float32)
-        h = tl.load(h_ptr + row * HC * D + j[:, None] * D + d[None, :]).to(tl.float32)  # [HC (j), D]
+        j, d = tl.arange(0, HC), tl.arange(0, BLOCK_D)  # BLOCK_D = D rounded up to 2^n (5120 at V4.1's width)
+        y = tl.load(y_ptr + row * D + d, mask=d < D).to(tl.float32)
+        h = tl.load(h_ptr + row * HC * D + j[:, None] * D + d[None, :], mask=d[None, :] < D).to(tl.float32)  # [HC (j), D]
         post = tl.load(post_ptr + row * HC + j)  # [HC (k)]
         comb = tl.load(comb_ptr + row * HC * HC + j[:, None] * HC + j[None, :])  # [HC (j), HC (k)]
         mixed = tl.sum(comb[:, :, None] * h[:, None, :], axis=0)  # [HC (k), D]: Σ_j comb[j, k]·h_j
         out = post[:, None] * y[None, :] + mixed
-        tl.store(out_ptr + row * HC * D + j[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + row * HC * D + j[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=d[None, :] < D)
 
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -136,7 +138,7 @@ def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     h2, pre2 = h.contiguous(), pre.contiguous()
     out = torch.empty(h.shape[:-2] + (d,), dtype=h.dtype, device=h.device)
     if out.numel():
-        _hc_pre_kernel[(out.numel() // d,)](h2, pre2, out, D=d, HC=hc)
+        _hc_pre_kernel[(out.numel() // d,)](h2, pre2, out, D=d, HC=hc, BLOCK_D=triton.next_power_of_2(d))
     return out
 
 
@@ -146,5 +148,6 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
     out = torch.empty(h.shape, dtype=y.dtype, device=y.device)
     if out.numel():
         _hc_post_kernel[(out.numel() // (hc * d),)](y.contiguous(), h.contiguous(), post.contiguous(),
-                                                    comb.contiguous(), out, D=d, HC=hc)
+                                                    comb.contiguous(), out, D=d, HC=hc,
+                                                    BLOCK_D=triton.next_power_of_2(d))
     return out

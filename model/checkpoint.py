@@ -53,7 +53,7 @@ def _norm_mean(owner: str) -> float:
 def _draw(owner: str, leaf: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     """One parameter's fp32 values: a standard normal draw of its full shape, then shaped by its role.
     The rules are tried in this order, as in testing.py; the arithmetic order matters for the bits."""
-    w = torch.randn(shape, generator=gen, dtype=torch.float32)
+    w = torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device)
     last = owner.rpartition(".")[2]
     if leaf == "weight" and "norm" in last:  # RMSNorm gains: mean * (1 + 10% noise)
         return _norm_mean(owner) * (1 + 0.1 * w)
@@ -65,25 +65,32 @@ def _draw(owner: str, leaf: str, shape: torch.Size, gen: torch.Generator) -> tor
 
 
 @torch.no_grad()
-def init_weights(named_params: Iterable[tuple[str, torch.Tensor]], seed: int = 0) -> None:
-    """Fill every tensor in place, in the given order (the model's `named_parameters` order), from one CPU
-    `torch.Generator` seeded with `seed`; spec §8. Each tensor draws fp32 standard normals of its own shape
-    and is then cast to its storage dtype. An Engram table (float8_e4m3fn, owner `*.engram.embed`) is drawn
-    raw and FP8-quantised with e8m0 scales per row group, written into its sibling `scale`; the e8m0 scale
-    tensors themselves draw nothing. Tensors may live on any device; the draws are made on the CPU."""
+def init_weights(named_params: Iterable[tuple[str, torch.Tensor]], seed: int = 0, device: str = "cpu") -> None:
+    """Fill every tensor in place, in the given order (the model's `named_parameters` order), from one
+    `torch.Generator` on `device` seeded with `seed`; spec §8. Each tensor draws fp32 standard normals of its
+    own shape and is then cast to its storage dtype. An Engram table (float8_e4m3fn, owner `*.engram.embed`)
+    is drawn raw and FP8-quantised with e8m0 scales per row group, written into its sibling `scale`; the
+    e8m0 scale tensors themselves draw nothing. Tensors may live on any device; the draws are made on
+    `device` (the CPU's draws are the golden ones; a CUDA generator draws other values, faster)."""
     params = dict(named_params)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     for name, p in params.items():
-        owner, _, leaf = name.rpartition(".")
-        if p.dtype == torch.float8_e8m0fnu:
-            continue  # written with its table below
-        if p.dtype == torch.float8_e4m3fn:
-            _init_engram_table(name, p, params, gen)
-        elif p.dtype.is_floating_point and p.element_size() >= 2:
-            p.copy_(_draw(owner, leaf, p.shape, gen))
-        else:
-            raise ValueError(f"init_weights cannot fill {name} of dtype {p.dtype}: only bf16/fp16/fp32 "
-                             f"tensors and FP8 Engram tables are initialised (spec §8).")
+        init_parameter(name, p, params, gen)
+
+
+def init_parameter(name: str, p: torch.Tensor, params: dict[str, torch.Tensor], gen: torch.Generator) -> None:
+    """One step of init_weights: fill `p` (named `name`; `params` holds its Engram sibling `scale`) with
+    its next draws from `gen`."""
+    owner, _, leaf = name.rpartition(".")
+    if p.dtype == torch.float8_e8m0fnu:
+        return  # written with its table below
+    if p.dtype == torch.float8_e4m3fn:
+        _init_engram_table(name, p, params, gen)
+    elif p.dtype.is_floating_point and p.element_size() >= 2:
+        p.copy_(_draw(owner, leaf, p.shape, gen))
+    else:
+        raise ValueError(f"init_weights cannot fill {name} of dtype {p.dtype}: only bf16/fp16/fp32 "
+                         f"tensors and FP8 Engram tables are initialised (spec §8).")
 
 
 def _init_engram_table(name: str, p: torch.Tensor, params: dict[str, torch.Tensor], gen: torch.Generator):
@@ -94,7 +101,7 @@ def _init_engram_table(name: str, p: torch.Tensor, params: dict[str, torch.Tenso
     if not owner.endswith("engram.embed") or scale is None:
         raise ValueError(f"init_weights cannot fill {name}: FP8 weights are initialised only for Engram "
                          f"tables with a sibling scale (spec §8); dense FP8 weights are out of scope.")
-    codes, scales = quantize_fp8_e8m0(torch.randn(p.shape, generator=gen, dtype=torch.float32),
+    codes, scales = quantize_fp8_e8m0(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=gen.device),
                                       block=p.shape[-1] // scale.shape[-1])
     p.copy_(codes)
     scale.copy_(scales)
@@ -253,7 +260,12 @@ def default_checkpoint(name: str = "tiny-68m", seed: int = 0, specs=None) -> Pat
 
 
 def init_checkpoint(preset_name: str, seed: int, out: str | Path) -> str:
-    """`mdi-trace checkpoint init`: a fresh checkpoint folder from a preset and a seed; returns its digest."""
+    """`mdi-trace checkpoint init`: a fresh checkpoint folder from a preset and a seed; returns its digest.
+    A preset of RELEASED_PRESETS is written in the released format instead (model/slice.py)."""
+    from model.config import RELEASED_PRESETS
+    if preset_name in RELEASED_PRESETS:
+        from model.slice import write_slice
+        return write_slice(preset(preset_name), seed, out)
     args = preset(preset_name)
     tensors = [(n, torch.empty(shape, dtype=dtype)) for n, shape, dtype in parameter_specs(args)]
     init_weights(tensors, seed)

@@ -215,7 +215,30 @@ def _stress() -> ModelArgs:
     return args
 
 
-PRESETS = {"tiny-68m": _tiny, "micro": _micro, "stress": _stress}
+def _v41_slice() -> ModelArgs:
+    """The released V4.1-Flash widths of spec §1.1 with one layer of each role of spec §1.3; built in the
+    released storage (FP8 dense with e8m0 tile scales, FP4 experts) from seed 0 on the device, in memory
+    (model/slice.py). Its layers and the real model's layers of the same role:
+      0 window only (real 0); 1 window only with Engram before it (real 1); 2 ratio-2 KV and index source
+      (real 2); 3 ratio-2 consumer (real 3); 4 ratio-1 KV, index and candidate source (real 20); 5 ratio-1
+      consumer (real 21); 6 ratio-1 re-index layer masked by layer 4's candidate blocks (real 24).
+    Departures from the released config: the Engram table is shortened about 100x (engram_vocab_size
+    160,000, not 16,000,000: 3.84M rows, not 384M), one Engram layer, not two; its token map is the stub
+    t -> t//2 of spec §8 (no tokenizer), so engram_compressed_vocab_size is 64,640, not 99,092; DSpark off."""
+    return ModelArgs(
+        max_batch_size=64, max_seq_len=131072, dim=5120, moe_inter_dim=2304, n_layers=7, n_heads=64,
+        n_routed_experts=384, n_activated_experts=6, q_lora_rank=1280, head_dim=512, rope_head_dim=64,
+        o_groups=8, o_lora_rank=1024, compress_ratios=(0, 0, 2, 2, 1, 1, 1), kv_source_layers=(2, 4),
+        index_source_layers=(2, 4, 6), candidate_source_layer=4, candidate_topk_blocks=2048,
+        index_n_heads=32, index_head_dim=128, index_topk=512, engram_layer_ids=(1,), engram_num_embeddings=(),
+        engram_vocab_size=160000, engram_n_heads=8, engram_head_dim=256,
+    )
+
+
+PRESETS = {"tiny-68m": _tiny, "micro": _micro, "stress": _stress, "v41-slice": _v41_slice}
+# Presets whose weights are made in the released storage from seed 0 on the device at each load
+# (model/slice.py), never as a bf16 checkpoint folder: at these widths one would take ~190 GB.
+RELEASED_PRESETS = ("v41-slice",)
 
 
 def preset(name: str) -> ModelArgs:

@@ -12,7 +12,7 @@ import torch
 
 from model import released
 from model.checkpoint import CONFIG_FILE, CheckpointError, default_checkpoint, load_checkpoint, parameter_specs
-from model.config import PRESETS, ConfigError, ModelArgs
+from model.config import PRESETS, RELEASED_PRESETS, ConfigError, ModelArgs, preset
 from model.parallel import Shard, shard_state_dict
 from model.transformer import Transformer
 
@@ -23,6 +23,9 @@ def load_model(model: str = "tiny-68m", device: str = "cpu", shard=None):
     A folder with model.safetensors.index.json is read in the released format (model/released.py).
     `shard` (model/parallel.py, default one process) keeps only this rank's experts and Engram rows; the
     whole checkpoint is read and its digest checked first."""
+    if model in RELEASED_PRESETS and not Path(model).is_dir():  # made on `device` from seed 0 (model/slice.py)
+        from model.slice import build_slice
+        return build_slice(preset(model), device=device, shard=shard)
     path = default_checkpoint(model) if model in PRESETS and not Path(model).is_dir() else Path(model)
     if released.is_released(path):  # a Hugging Face folder: sharded, FP8/FP4 storage (model/released.py)
         loaded = released.load_released(path, device, shard)

@@ -459,15 +459,24 @@ def quantize_checkpoint(source: str | Path, out: str | Path, shard_bytes: int = 
     for name, t in loaded.tensors.items():
         tensors |= _stored(name, t, storage)
     assert list(tensors) == list(layout), "the writer and the loader disagree on the released layout"
+    digest = write_released(out, args, storage, tensors, shard_bytes)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    return digest
+
+
+def write_released(out: Path, args: ModelArgs, storage: Storage, tensors: dict[str, torch.Tensor],
+                   shard_bytes: int = SHARD_BYTES) -> str:
+    """Write the released files of `tensors` (official names, as stored, in file_layout order): the
+    shards with model.safetensors.index.json, config.json and inference/config.json. Returns the digest
+    load_released computes."""
     out.mkdir(parents=True, exist_ok=True)
     _write_shards(out, tensors, shard_bytes)
     (out / "inference").mkdir(exist_ok=True)
     official = official_config(args, storage)
     (out / INFERENCE_CONFIG).write_text(json.dumps(official, indent=2) + "\n")
     (out / HF_CONFIG).write_text(json.dumps(to_hf_config(official, storage), indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
     return _digest(out, sorted(set(json.loads((out / INDEX_FILE).read_text())["weight_map"].values())))
 
 

@@ -133,9 +133,10 @@ def test_rms_norm_kernel_matches_the_torch_path():
 
 
 @needs_interpreter
-def test_hc_collapse_and_expand_kernels_match_the_torch_path():
+@pytest.mark.parametrize("d", [64, 80])  # 80: a width that is no power of two, as V4.1's 5120
+def test_hc_collapse_and_expand_kernels_match_the_torch_path(d):
     g = torch.Generator().manual_seed(2)
-    h, y = torch.randn(3, 5, 4, 64, generator=g), torch.randn(3, 5, 64, generator=g)
+    h, y = torch.randn(3, 5, 4, d, generator=g), torch.randn(3, 5, d, generator=g)
     pre, post, comb = torch.rand(3, 5, 4, generator=g), torch.rand(3, 5, 4, generator=g), torch.rand(3, 5, 4, 4, generator=g)
     torch.testing.assert_close(hc_kernel.hc_pre(h, pre), hc.hc_pre(h, pre), rtol=3e-7, atol=3e-7)
     torch.testing.assert_close(hc_kernel.hc_post(y, h, post, comb), hc.hc_post(y, h, post, comb), rtol=3e-7, atol=3e-7)
