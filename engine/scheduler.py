@@ -236,7 +236,7 @@ class Scheduler:
             return None
         seq.epoch += 1
         self.tracer.cancel(self.step, seq_id)
-        self.tracer.epoch_bump(seq_id, seq.epoch, "abort")
+        self.tracer.epoch_bump(seq_id, seq.epoch, "cancel")
         (self.waiting if seq.status == SequenceStatus.WAITING else self.running).remove(seq)
         self._finish(seq, "abort")
         return seq
