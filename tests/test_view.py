@@ -765,7 +765,7 @@ async def test_the_overview_zos_figure_and_the_timeline_marks_are_one_overlap(mo
     assert model.lanes.overlap == overlap and model.lanes.cpu_busy == cpu
     device = dict(model.overview())["device"]
     assert f"the CPU phases ran {100 * overlap / cpu:.0f}% of their time" in device     # it said 0% on this trace
-    assert 90 < 100 * overlap / cpu < 100
+    assert 0 < 100 * overlap / cpu < 100   # how much is the recording machine's load; none is the old bug
     app = TraceApp(str(EXAMPLE))
     async with app.run_test(size=(160, 30)) as pilot:
         await ready(pilot)
