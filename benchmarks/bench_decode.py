@@ -71,7 +71,7 @@ def trace_busy(path, batch: int, skip: int = 4) -> tuple[float, int]:
     full, spans = [], {}
     with open_trace(path) as trace:
         for e in trace.events():
-            if e.kind == "schedule" and BATCH_KINDS[e.fields[2]] == "decode" and len(e.rows) == batch:
+            if e.kind == "schedule" and BATCH_KINDS[e.batch_kind] == "decode" and len(e.rows) == batch:
                 full.append(e.step)
             elif e.kind == "device_span":
                 spans[e.step] = (e.start, e.end)

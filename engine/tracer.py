@@ -19,15 +19,15 @@ class NullTracer:
     def epoch_bump(self, seq_id, epoch, reason): pass          # reason: "preempt" or "cancel"
     def block_alloc(self, seq_id, block_ids): pass
     def block_free(self, seq_id, block_ids): pass
-    def slot_alloc(self, seq_id, slot): pass
-    def slot_free(self, seq_id, slot): pass
+    def slot_alloc(self, seq_id, state_slot): pass
+    def slot_free(self, seq_id, state_slot): pass
     def preempt(self, step, seq_id): pass
     def cancel(self, step, seq_id): pass
     def token(self, step, seq_id, epoch, position, token_id, appended): pass  # appended=False: stale
     def finish(self, step, seq_id, reason): pass
     def cpu_span(self, step, phase, start_ns, end_ns): pass   # phase: "schedule", "execute", "process"
     def device_span(self, step, start_ns, end_ns): pass
-    def step_digest(self, step, digest): pass                  # of block tables, slots and epochs
+    def step_digest(self, step, digest): pass                  # of block tables, state slots and epochs
     def step_end(self, step): pass                             # the engine's step() returns: flush
     def close(self): pass                                      # the engine shuts down: footer
 

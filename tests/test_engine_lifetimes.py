@@ -7,17 +7,19 @@ running, preempted, finished). The engine runs on the `micro` preset with random
 within a step cap (more steps is a livelock); a second property runs a thousand such workloads with a
 StubRunner in place of the model. Every invariant is checked twice, after every step:
 
-- from the MemoryTracer events alone (`Ledger`): the events are replayed per sequence, as `mdi-trace verify`
-  would replay a recorded trace, so the proof needs nothing but the trace;
+- from the trace alone (`Ledger`): the engine records through tracing's Recorder, and the log, read back as
+  it grows, is fed to `mdi-trace verify`'s own checker (tracing/verify.py `Verifier`), so the proof needs
+  nothing but the trace and is the one users run (its rules are listed there); the whole log is verified
+  again at the end, footer included;
 - from the live objects (`check_live`): the pools' owner tables, each Sequence, the queues, the step in
-  flight, and the ledger's replay against all of them.
+  flight, and the checker's per-request state against all of them.
 
 Preemption and finish release both kinds of state before their hook fires, so the sequence owns nothing at
-that event. Cancellation fires `cancel` first: the ledger then requires that sequence's epoch bump, block
+that event. Cancellation fires `cancel` first: the checker then requires that sequence's epoch bump, block
 and slot frees and `finish("abort")` to follow with no other event between them, and checks at the finish.
 
 Decode legality (`num_cached_tokens == get_len() - 1` when a decode row is scheduled) is checked from the
-trace, not by wrapping `Scheduler._reserve`: the ledger re-derives both sides independently, the cached count
+trace, not by wrapping `Scheduler._reserve`: the checker re-derives both sides independently, the cached count
 from the rows scheduled since the sequence's last preemption, and `get_len()` from the prompt, the appended
 tokens and the sampled rows of the current epoch whose result is not processed yet. A wrapper around
 `_reserve` would compare the scheduler's counters with themselves (and `_schedule_decode` already asserts
@@ -35,8 +37,10 @@ from __future__ import annotations
 import functools
 import os
 import random
+import tempfile
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,14 +51,14 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import StepHandle
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
-from engine.step import ScheduledRow
-from engine.tracer import MemoryTracer
 from model.checkpoint import init_weights
-from model.config import BLOCK_SIZE, preset
+from model.config import BLOCK_SIZE, cdiv, preset
 from model.transformer import Transformer
+from tracing import Recorder
+from tracing.reader import TraceFile
+from tracing.schema import FINISH_REASONS
+from tracing.verify import Verifier
 
-EOS = SchedulerConfig().eos_token_id
-REASONS = {"stop", "length", "abort"}
 
 
 @functools.cache
@@ -65,182 +69,67 @@ def micro_weights() -> Transformer:
 
 
 def blocks_for(num_positions: int) -> int:
-    return -(-num_positions // BLOCK_SIZE)
+    return cdiv(num_positions, BLOCK_SIZE)
 
 
 # ---- the trace alone ---------------------------------------------------------------------------------
 class Ledger:
-    """Replays MemoryTracer events and asserts promise 2 and decode legality at each one.
+    """The run's trace, checked by `mdi-trace verify`'s own checker (tracing/verify.py `Verifier`) as it grows.
 
-    Per sequence it keeps what the trace says the engine holds: owned blocks (in block-table order) and
-    slot, epoch, token ids, cached count, and the sampled rows whose result has not come back yet."""
+    The engine records through a real Recorder into a temporary log; `feed()` flushes what the engine emitted
+    since (the Recorder writes at each step's end; `step_end` is its flush), reads the new events back through
+    the reader and feeds them to the Verifier, and fails on its first finding. The Verifier's per-request
+    state (`reqs`: blocks, slot, epoch, tokens, cached count, reservations in flight, finish) is what the trace
+    says the engine holds; `check_live` compares it with the live objects."""
 
-    def __init__(self):
-        self.block_owner: dict[int, int] = {}
-        self.slot_owner: dict[int, int] = {}
-        self.blocks: dict[int, list[int]] = {}
-        self.slot: dict[int, int | None] = {}
-        self.epoch: dict[int, int] = {}
-        self.tokens: dict[int, list[int]] = {}
-        self.prompt_len: dict[int, int] = {}
-        self.params: dict[int, SamplingParams] = {}
-        self.cached: dict[int, int] = {}
-        self.pending: dict[tuple[int, int], ScheduledRow] = {}  # (step, seq_id) -> a row that samples
-        self.finish: dict[int, str] = {}
-        self.cancelled: set[int] = set()
-        self.preempted_now: list[int] = []  # preemptions since the last schedule event
-        self.next_step = 0
-        self.closing: int | None = None     # a cancelled sequence whose release and finish must follow
-        self.prev: tuple = ()
-        self.num_events = 0
+    def __init__(self, path: Path):
+        self.path, self.recorder = path, Recorder(path)
+        self.verifier: Verifier | None = None
+        self.offset: int | None = None        # where the events not fed yet start
+        self.records: list = []               # every event fed, as the reader's records
 
-    def feed(self, events: list[tuple]) -> None:
-        for e in events[self.num_events:]:
-            name, *args = e
-            if self.closing is not None and name not in ("epoch_bump", "block_free", "slot_free", "finish"):
-                raise AssertionError(f"{name} between cancel of {self.closing} and its finish")
-            if self.closing is not None:
-                s = args[1] if name == "finish" else args[0]
-                assert s == self.closing, f"{e}: another sequence's event inside a cancellation"
-            getattr(self, "on_" + name, lambda *a: None)(*args)
-            self.prev = e
-        self.num_events = len(events)
+    def feed(self) -> None:
+        self.recorder.step_end(None)          # flush the events emitted since the last step
+        if not self.path.exists():
+            return
+        with TraceFile(self.path) as trace:
+            if self.verifier is None:
+                self.verifier = Verifier(trace.header)
+            for e in trace.events(self.offset):
+                self.verifier.feed(e)
+                self.records.append(e)
+                self.check(f"at the {e.kind} event at byte {e.offset}")
+            self.offset = trace.cut.offset   # no footer until the engine shuts down: read up to the last event
+
+    def check(self, where: str) -> None:
+        findings = self.verifier.findings if self.verifier is not None else []
+        assert not findings, f"verify {where}: " + "; ".join(map(str, findings))
+
+    def request(self, s: int):
+        """What the trace says the engine holds for request `s`."""
+        return self.verifier.reqs[s]
 
     def inflight(self, s: int) -> int:
-        """Sampled rows of the current epoch not yet processed: the reservations of ARCHITECTURE.md §1."""
-        return sum(1 for (_, sid), r in self.pending.items() if sid == s and r.epoch == self.epoch[s])
+        """Reservations of the current epoch not yet answered: num_inflight (ARCHITECTURE.md §1)."""
+        return self.request(s).inflight(self.verifier.step)
 
-    def live(self, s: int) -> None:
-        assert s in self.epoch, f"sequence {s} was never added"
-        assert s not in self.finish, f"sequence {s} acts after its finish ({self.finish[s]})"
-
-    def owns_nothing(self, s: int, when: str) -> None:
-        assert not self.blocks[s] and self.slot[s] is None, \
-            f"sequence {s} still owns blocks {self.blocks[s]} / slot {self.slot[s]} at {when}"
-
-    # one method per hook
-    def on_request_added(self, s, prompt, params, seed):
-        assert s not in self.epoch, f"request id {s} added twice"
-        self.blocks[s], self.slot[s], self.epoch[s], self.cached[s] = [], None, 0, 0
-        self.tokens[s], self.prompt_len[s], self.params[s] = list(prompt), len(prompt), params
-
-    def on_block_alloc(self, s, ids):
-        self.live(s)
-        for b in ids:
-            assert b not in self.block_owner, f"block {b} given to {s} but owned by {self.block_owner[b]}"
-            self.block_owner[b] = s
-        assert len(set(ids)) == len(ids)
-        self.blocks[s] += ids
-
-    def on_block_free(self, s, ids):
-        self.live(s)
-        assert list(ids) == self.blocks[s], f"{s} frees {ids} but owns {self.blocks[s]}"
-        for b in ids:
-            assert self.block_owner.pop(b) == s
-        self.blocks[s] = []
-
-    def on_slot_alloc(self, s, slot):
-        self.live(s)
-        assert slot not in self.slot_owner, f"slot {slot} given to {s} but owned by {self.slot_owner[slot]}"
-        assert self.slot[s] is None, f"{s} gets slot {slot} but has slot {self.slot[s]}"
-        self.slot_owner[slot], self.slot[s] = s, slot
-
-    def on_slot_free(self, s, slot):
-        self.live(s)
-        assert self.slot[s] == slot and self.slot_owner.get(slot) == s, f"{s} frees slot {slot} it does not own"
-        # together: a slot is released right after the same sequence's blocks (a slot never lives without one)
-        assert self.prev[:2] == ("block_free", s), f"slot_free of {s} not paired with its block_free: {self.prev}"
-        del self.slot_owner[slot]
-        self.slot[s] = None
-
-    def on_epoch_bump(self, s, epoch, reason):
-        assert epoch == self.epoch[s] + 1, f"epoch of {s} goes {self.epoch[s]} -> {epoch}"
-        expected = "preempt" if self.prev[:1] == ("preempt",) else "cancel"
-        assert self.prev[0] in ("preempt", "cancel") and self.prev[2] == s and reason == expected, \
-            f"epoch bump ({reason}) of {s} not right after its preempt or cancel: {self.prev}"
-        self.epoch[s] = epoch
-
-    def on_preempt(self, step, s):
-        self.live(s)
-        assert step == self.next_step, f"preempt at step {step} while scheduling step {self.next_step}"
-        self.owns_nothing(s, "preempt")
-        self.cached[s] = 0
-        self.preempted_now.append(s)
-
-    def on_cancel(self, step, s):
-        self.live(s)
-        self.cancelled.add(s)
-        self.closing = s
-
-    def on_finish(self, step, s, reason):
-        self.live(s)
-        self.owns_nothing(s, f"finish ({reason})")
-        assert reason in REASONS, reason
-        assert (reason == "abort") == (s in self.cancelled), f"{s}: finish {reason}, cancelled: {s in self.cancelled}"
-        n_out, p = len(self.tokens[s]) - self.prompt_len[s], self.params[s]
-        assert n_out <= p.max_tokens
-        if reason == "length":
-            assert n_out == p.max_tokens, f"{s}: length finish after {n_out} of {p.max_tokens} tokens"
-        if reason == "stop":
-            last = self.tokens[s][-1]
-            assert n_out >= 1 and (last in p.stop_token_ids or (not p.ignore_eos and last == EOS))
-        self.finish[s], self.closing = reason, None
-
-    def on_schedule(self, batch):
-        assert batch.step == self.next_step, f"step {batch.step} scheduled, expected {self.next_step}"
-        assert sorted(batch.preempted) == sorted(self.preempted_now), (batch.preempted, self.preempted_now)
-        assert batch.batch_kind in ("prefill", "decode") and (batch.rows or batch.preempted)
-        assert batch.batch_kind == "decode" or not batch.preempted, "preemption happens in decode only"
-        seen = set()
-        for r in batch.rows:
-            s = r.seq_id
-            self.live(s)
-            assert s not in seen and s not in batch.preempted, f"sequence {s} twice or preempted in step {batch.step}"
-            seen.add(s)
-            self.check_row(batch.batch_kind, r)
-        self.next_step, self.preempted_now = self.next_step + 1, []
-
-    def check_row(self, kind, r):
-        s, inflight = r.seq_id, self.inflight(r.seq_id)
-        known = len(self.tokens[s])                      # len(seq)
-        get_len, out = known + inflight, known - self.prompt_len[s]
-        end = r.start + r.num_tokens
-        assert r.epoch == self.epoch[s], f"row of {s} carries epoch {r.epoch}, sequence is at {self.epoch[s]}"
-        assert r.start == self.cached[s], f"row of {s} starts at {r.start}, {self.cached[s]} are cached"
-        assert r.block_table == self.blocks[s] and len(r.block_table) == blocks_for(end), \
-            f"row of {s} [{r.start}, {end}) uses blocks {r.block_table}, owns {self.blocks[s]}"
-        assert r.state_slot is not None and r.state_slot == self.slot[s]
-        assert r.num_tokens >= 1 and r.sample == (end == get_len)
-        if kind == "decode":
-            # decode legality: every earlier token is cached, the row computes the last one
-            assert r.num_tokens == 1 and r.start == get_len - 1, \
-                f"decode row of {s} at {r.start} with get_len {get_len}: not num_cached == get_len - 1"
-            assert r.sample and inflight < self.params[s].max_tokens - out
-            assert r.token_ids == ([None] if inflight else [self.tokens[s][-1]]), r.token_ids
-        else:
-            assert inflight == 0 and end <= known and r.token_ids == self.tokens[s][r.start:end]
-        if r.sample:
-            assert r.output_position == out + inflight, (r.output_position, out, inflight)
-            self.pending[(self.next_step, s)] = r
-        self.cached[s] = end
-
-    def on_token(self, step, s, epoch, position, token, appended):
-        r = self.pending.pop((step, s), None)
-        assert r is not None, f"token for ({step}, {s}) that no sampled row reserved"
-        assert epoch == r.epoch and position == r.start + r.num_tokens
-        stale = s in self.finish or epoch != self.epoch[s]
-        assert appended != stale, f"token of {s} at step {step}: appended={appended}, stale={stale}"
-        if appended:
-            assert position == len(self.tokens[s]), f"token of {s} at {position}, has {len(self.tokens[s])}"
-            assert not any(st_ < step for (st_, sid), p in self.pending.items() if sid == s and p.epoch == epoch), \
-                "results of one sequence are appended out of step order"
-            assert 0 <= token < 1024
-            self.tokens[s].append(token)
+    def kinds(self, *names: str) -> list:
+        return [e for e in self.records if e.kind in names]
 
     def check_idle(self) -> None:
-        assert not self.block_owner and not self.slot_owner, (self.block_owner, self.slot_owner)
-        assert not self.pending, f"sampled rows never processed: {list(self.pending)}"
-        assert set(self.finish) == set(self.epoch), f"requests without a finish: {set(self.epoch) - set(self.finish)}"
+        """An idle engine holds nothing: every request finished, every reservation answered, all free."""
+        self.verifier.drained()
+        self.check("with the engine idle")
+
+    def close(self) -> None:
+        """The engine has shut down (the Recorder wrote the footer): the end-of-log checks over the whole file."""
+        with TraceFile(self.path) as trace:
+            assert trace.clean
+            for e in trace.events(self.offset):
+                self.verifier.feed(e)
+                self.records.append(e)
+            self.verifier.end(trace)
+        self.check("at the end of the log")
 
 
 # ---- the live objects ----------------------------------------------------------------------------------
@@ -263,16 +152,17 @@ def check_live(engine: LLMEngine, seqs: dict[int, Sequence], ledger: Ledger) -> 
                {s: [q.state_slot] for s, q in seqs.items() if q.state_slot is not None})
     flight = engine.in_flight.batch.rows if engine.in_flight is not None else []
     for s, q in seqs.items():
-        assert ledger.blocks[s] == q.block_table and ledger.slot[s] == q.state_slot, f"trace and {s} disagree"
-        assert ledger.epoch[s] == q.epoch and ledger.tokens[s] == q.token_ids
+        held = ledger.request(s)
+        assert held.blocks == q.block_table and held.slot == q.state_slot, f"trace and {s} disagree"
+        assert held.epoch == q.epoch and held.tokens == q.token_ids
         assert 0 <= q.num_output_tokens <= q.params.max_tokens
         if q.is_finished:
-            assert ledger.finish[s] == q.finish_reason and q.num_inflight == 0
+            assert held.finish == q.finish_reason and q.num_inflight == 0
             assert s not in sched.seqs and q not in sched.waiting and q not in sched.running
             continue
         assert sched.seqs[s] is q and (q in sched.waiting) != (q in sched.running)
         assert q.status == (SequenceStatus.RUNNING if q in sched.running else SequenceStatus.WAITING)
-        assert ledger.cached[s] == q.num_cached_tokens and ledger.inflight(s) == q.num_inflight
+        assert held.cached == q.num_cached_tokens and ledger.inflight(s) == q.num_inflight
         assert q.num_inflight == sum(1 for r in flight if r.seq_id == s and r.sample and r.epoch == q.epoch)
         assert len(q.block_table) == blocks_for(q.num_cached_tokens)
         assert (q.state_slot is not None) == (q.num_cached_tokens > 0)
@@ -319,7 +209,7 @@ def step_cap(cfg: SchedulerConfig, reqs: list[Req]) -> int:
     """Generous: the steps of every request run alone (prompt and outputs in budget-sized chunks, then one
     decode step per output), three times over. A scheduler that reclaims partly prefilled requests stayed
     under 1x on 2,000 workloads; more is a livelock."""
-    alone = sum(-(-(r.prompt_len + r.max_tokens) // cfg.max_num_batched_tokens) + r.max_tokens + 2 for r in reqs)
+    alone = sum(cdiv(r.prompt_len + r.max_tokens, cfg.max_num_batched_tokens) + r.max_tokens + 2 for r in reqs)
     return 10 + max(r.arrival for r in reqs) + 3 * alone
 
 
@@ -345,9 +235,13 @@ def run_workload(cfg: SchedulerConfig, reqs: list[Req], enable_zos: bool, seed: 
                  label=lambda _: None):
     """Runs the workload to idle on the `micro` model (or a StubRunner), checking every invariant after
     every step; `label` names what happened (hypothesis.event, for --hypothesis-show-statistics). Returns
-    (engine, tracer, ledger, sequences by request index); the engine is shut down."""
-    tracer, ledger = MemoryTracer(), Ledger()
-    engine = LLMEngine(micro_weights(), cfg, enable_zos=enable_zos, seed=seed, tracer=tracer)
+    (engine, ledger, sequences by request index); the engine is shut down and its trace verified whole."""
+    with tempfile.TemporaryDirectory() as folder:
+        return _run_workload(cfg, reqs, enable_zos, seed, stub, label, Ledger(Path(folder) / "run.mdt"))
+
+
+def _run_workload(cfg, reqs, enable_zos, seed, stub, label, ledger):
+    engine = LLMEngine(micro_weights(), cfg, enable_zos=enable_zos, seed=seed, tracer=ledger.recorder)
     if stub:
         engine.runner.shutdown()
         engine.runner = StubRunner(seed)
@@ -376,7 +270,7 @@ def run_workload(cfg: SchedulerConfig, reqs: list[Req], enable_zos: bool, seed: 
                         if not q.is_finished:
                             cancelled_unfinished.add(ids[i])
                         fired.add(i)
-            ledger.feed(tracer.events)
+            ledger.feed()
             check_live(engine, seqs, ledger)
             if not engine.has_unfinished():
                 check_idle(engine, ledger)
@@ -390,15 +284,16 @@ def run_workload(cfg: SchedulerConfig, reqs: list[Req], enable_zos: bool, seed: 
                                  f"running {[(q.seq_id, q.num_cached_tokens) for q in engine.scheduler.running]})")
     finally:
         engine.shutdown()
+    ledger.close()
     # every request finished once, reported once by step(), and a cancel before the finish gave "abort"
     assert sorted(reported) == sorted(seqs), (reported, list(seqs))
     for s in cancelled_unfinished:
         assert seqs[s].finish_reason == "abort", f"{s} cancelled while unfinished, finished {seqs[s].finish_reason}"
-    finishes = [e[2] for e in tracer.kinds("finish")]
+    finishes = [e.seq_id for e in ledger.kinds("finish")]
     assert sorted(finishes) == sorted(seqs), f"finish events {finishes}"
-    for e in tracer.kinds("preempt", "finish"):
-        label(e[0] if e[0] == "preempt" else f"finish {e[3]}")
-    return engine, tracer, ledger, {i: seqs[s] for i, s in ids.items()}
+    for e in ledger.kinds("preempt", "finish"):
+        label(e.kind if e.kind == "preempt" else f"finish {FINISH_REASONS[e.reason]}")
+    return engine, ledger, {i: seqs[s] for i, s in ids.items()}
 
 
 # ---- the property ---------------------------------------------------------------------------------------
@@ -442,8 +337,8 @@ def test_resource_lifetimes_and_decode_legality_many_workloads(cfg, reqs, enable
 
 # ---- deterministic cases --------------------------------------------------------------------------------
 def outputs(cfg: SchedulerConfig, reqs: list[Req], enable_zos: bool):
-    _, tracer, _, seqs = run_workload(cfg, reqs, enable_zos)
-    return tracer, {i: q.output_token_ids for i, q in seqs.items()}
+    _, ledger, seqs = run_workload(cfg, reqs, enable_zos)
+    return ledger, {i: q.output_token_ids for i, q in seqs.items()}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -456,8 +351,8 @@ def test_preemption_recompute_gives_same_tokens(enable_zos, temperature):
     reqs = [Req(120, 12, temperature, "none", 0, "never", 0) for _ in range(3)]
     small = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, num_kv_blocks=4, num_state_slots=4)
     large = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, num_kv_blocks=16, num_state_slots=4)
-    tracer, got = outputs(small, reqs, enable_zos)
-    assert tracer.kinds("preempt"), "the small pool was meant to force a preemption"
+    ledger, got = outputs(small, reqs, enable_zos)
+    assert ledger.kinds("preempt"), "the small pool was meant to force a preemption"
     _, want = outputs(large, reqs, enable_zos)
     assert got == want
     assert all(len(t) == 12 for t in got.values())
@@ -471,9 +366,9 @@ def test_cancel_in_each_state_releases_everything(state, enable_zos):
     cancelled request finishes with "abort" unless it had finished already."""
     reqs = [Req(200, 4, 0.0, "none", 0, state, 0), Req(30, 4, 0.0, "none", 0, "never", 0)]
     cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=4, num_state_slots=2)
-    _, tracer, _, seqs = run_workload(cfg, reqs, enable_zos)
+    _, ledger, seqs = run_workload(cfg, reqs, enable_zos)
     assert seqs[0].finish_reason == ("length" if state == "finished" else "abort")
-    assert bool(tracer.kinds("cancel")) == (state != "finished")
+    assert bool(ledger.kinds("cancel")) == (state != "finished")
 
 
 @pytest.mark.parametrize("enable_zos", [False, True])
@@ -483,7 +378,7 @@ def test_partly_prefilled_request_does_not_starve_a_running_one(enable_zos):
     engine must still finish both (the pool admits each alone), neither livelock nor give up."""
     reqs = [Req(120, 12, 0.0, "none", 0, "never", 0), Req(200, 1, 0.0, "none", 0, "never", 0)]
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=2, num_state_slots=2)
-    _, _, _, seqs = run_workload(cfg, reqs, enable_zos)
+    _, _, seqs = run_workload(cfg, reqs, enable_zos)
     assert [seqs[i].finish_reason for i in (0, 1)] == ["length", "length"]
 
 

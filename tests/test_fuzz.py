@@ -217,7 +217,7 @@ HOSTILE_HEADERS = {
     "checkpoint_digest an int": ({"checkpoint_digest": 12}, "checkpoint_digest is an int, not a str"),
     "schema_version true": ({"schema_version": True}, "schema_version is a bool, not an int"),
     "schema_version 1.0": ({"schema_version": 1.0}, "schema_version is a float, not an int"),
-    "schema_version 2": ({"schema_version": 2}, "schema version 2"),
+    "schema_version 3": ({"schema_version": 3}, "schema version 3"),
     "no magic": ({"magic": None}, "wrong magic"),
 }
 
@@ -283,8 +283,8 @@ def test_a_length_claim_beyond_the_limits_in_the_header_is_one_sentence(tmp_path
 
 
 def test_export_names_the_byte_of_a_well_typed_but_malformed_event(clean, layout, tmp_path, capsys):
-    """A schedule event whose rows are lists of the wrong length passes the reader's type checks; export says
-    which event it could not draw."""
+    """A schedule event whose rows are lists of the wrong length passes the reader's top-level type checks, not its
+    records' (a row is an array of the row's fields): export names the event's byte."""
     path = tmp_path / "rows.mdt"
     starts = layout["starts"]
     for a, b in zip(starts, starts[1:]):

@@ -21,6 +21,7 @@ from tracing.execute import check_tokens
 from tracing.reader import open_trace
 from tracing.replay import replay_scheduler
 from tracing.verify import verify
+from tracing.schema import BATCH_KINDS
 
 WINDOW = 32  # micro's window_size
 
@@ -60,7 +61,7 @@ def ring_off_by_one(monkeypatch):
 
 def ring_first_step(trace):
     """The first step with a row that reads a ring position >= W (positions before its start, within W)."""
-    return min(e.step for e in batches(trace) for r in e.rows if r[2] > WINDOW)
+    return min(e.step for e in batches(trace) for r in e.rows if r.start > WINDOW)
 
 
 def tail_lost(monkeypatch):
@@ -82,10 +83,10 @@ def tail_first_step(trace):
     last_kind = {}
     for e in batches(trace):
         for r in e.rows:
-            key = (r[0], r[1])
-            if r[2] % 2 == 1 and last_kind.get(key) == 0:  # schema kind 0 = prefill
+            key = (r.seq_id, r.epoch)
+            if r.start % 2 == 1 and last_kind.get(key) == "prefill":
                 return e.step
-            last_kind[key] = e.fields[2]
+            last_kind[key] = BATCH_KINDS[e.batch_kind]
     raise AssertionError("no chunk boundary inside a group")
 
 
@@ -115,9 +116,9 @@ def engram_first_step(trace):
     used = set()
     for e in batches(trace):
         for r in e.rows:
-            if r[2] == 0 and r[5] in used:
+            if r.start == 0 and r.state_slot in used:
                 return e.step
-        used |= {r[5] for r in e.rows}
+        used |= {r.state_slot for r in e.rows}
     raise AssertionError("no state slot changed owner")
 
 
@@ -182,7 +183,7 @@ def stale_first_step(trace):
     epoch_at_schedule, bumped = {}, set()
     for e in trace.events():
         if e.kind == "schedule":
-            epoch_at_schedule.update({(e.step, r[0]): r[1] for r in e.rows})
+            epoch_at_schedule.update({(e.step, r.seq_id): r.epoch for r in e.rows})
         elif e.kind == "epoch_bump":
             bumped |= {(step, s) for (step, s) in epoch_at_schedule if s == e.seq_id}
         elif e.kind == "token" and e.appended and (e.step, e.seq_id) in bumped:

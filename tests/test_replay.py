@@ -19,7 +19,7 @@ from test_verify import field, find, prompt, read_log, record_preemption, row_fi
 from tracing import Recorder
 from tracing.reader import open_trace
 from tracing.replay import replay_scheduler
-from tracing.schema import KIND
+from tracing.schema import KIND, ROW_FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "traces" / "examples" / "micro-preempt-cancel.mdt"
@@ -82,7 +82,7 @@ def assert_replays_clean(path: Path) -> None:
     result = replay_scheduler(trace)
     assert result.mismatch is None, str(result.mismatch)
     schedules = [e for e in open_trace(path).events() if e.kind == "schedule"]
-    assert result.steps == len(schedules) == trace.footer[1]
+    assert result.steps == len(schedules) == trace.footer.num_steps
     assert result.rows == sum(len(e.rows) for e in schedules)
     assert result.digests == sum(1 for e in open_trace(path).events() if e.kind == "step_digest") > 0
 
@@ -109,8 +109,8 @@ def test_an_edited_block_table_is_the_first_mismatch(preempted, tmp_path):
     def edit(events):
         i = find(events, "schedule", step=5)
         row = field(events[i], "rows")[-1]
-        row[4] = list(row_field(row, "block_table")) + [99]
-        return 5, row_field(row, "seq_id"), row[4]
+        row[ROW_FIELDS.index("block_table")] = list(row_field(row, "block_table")) + [99]
+        return 5, row_field(row, "seq_id"), row_field(row, "block_table")
     result, (step, seq_id, table) = replay_edited(preempted, tmp_path / "edited.mdt", edit)
     m = result.mismatch
     assert (m.step, m.seq_id, m.field, m.expected) == (step, seq_id, "block_table", table)
@@ -135,8 +135,8 @@ def test_a_changed_token_is_found_where_it_is_next_an_input(preempted, tmp_path)
         """The first schedule event after events[i] (a token) with a row that feeds that token as an input."""
         s, position = field(events[i], "seq_id"), field(events[i], "position")
         return next((e for e in events[i:] if e[0] == KIND["schedule"] for r in field(e, "rows")
-                     if row_field(r, "seq_id") == s and 0 <= position - row_field(r, "start") < len(r[3])
-                     and r[3][position - row_field(r, "start")] is not None), None)
+                     if row_field(r, "seq_id") == s and 0 <= position - row_field(r, "start") < len(row_field(r, "token_ids"))
+                     and row_field(r, "token_ids")[position - row_field(r, "start")] is not None), None)
 
     def edit(events):
         i = next(i for i, e in enumerate(events) if e[0] == KIND["token"] and field(e, "appended")
@@ -174,11 +174,12 @@ def test_check_scheduler_exits_1_and_names_the_first_mismatch(preempted, tmp_pat
     header, events = read_log(preempted)
     i = find(events, "schedule", step=3)
     row = field(events[i], "rows")[0]
-    row[5] = row_field(row, "state_slot") + 7
+    slot = row_field(row, "state_slot") + 7
+    row[ROW_FIELDS.index("state_slot")] = slot
     edited = write_log(tmp_path / "edited.mdt", header, events)
     run = mdi("check", str(edited), "--scheduler")
     assert run.returncode == 1, run.stderr
-    assert f"mismatch: step 3, request {row_field(row, 'seq_id')}: state_slot expected {row[5]}, got {row[5] - 7}" \
+    assert f"mismatch: step 3, request {row_field(row, 'seq_id')}: state_slot expected {slot}, got {slot - 7}" \
         in run.stdout
 
 
@@ -241,7 +242,7 @@ def test_a_trace_of_other_scheduling_rules_is_replayed_with_a_note(preempted, tm
     def edit(events):
         i = find(events, "schedule", step=5)
         row = field(events[i], "rows")[-1]
-        row[4] = list(row_field(row, "block_table")) + [99]
+        row[ROW_FIELDS.index("block_table")] = list(row_field(row, "block_table")) + [99]
     broken = with_scheduler_version(preempted, tmp_path / "none-broken.mdt", None, edit)
     result = replay_scheduler(open_trace(broken))
     assert result.mismatch is not None and "no scheduler_version" in result.note

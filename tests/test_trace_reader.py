@@ -85,6 +85,10 @@ def schema_mismatches(text: str, s=schema) -> list[str]:
         if [c for c, _ in codes] != list(range(len(codes))):
             bad.append(f"enum {name}: SCHEMA.md's codes are not 0, 1, 2...")
         check(f"enum {name}", tuple(v for _, v in codes), code_enums.get(name))
+    renamed = {(event, old): new for event, names in s.V1_RENAMED.items() for old, new in names.items()}
+    renamed |= {(f"EPOCH_REASONS {code}", old): s.V1_REASON_RENAMED[old] for code, old in enumerate(s.V1_EPOCH_REASONS)
+                if old in s.V1_REASON_RENAMED}
+    check("version-1 names", {(r[0], r[1]): r[2] for r in t.get("Version 1", [])}, renamed)
     return bad
 
 
@@ -100,7 +104,8 @@ def test_schema_document_agrees_with_schema_module():
     ("| t0_ns | int |", "| t0 | int |"),                                            # a header field
     ("| state_slot | int | its state slot |\n", ""),                                # a row field dropped
     ("| output_position | int | which output token (0", "| position | int | which output token (0"),
-    ("| SCHEMA_VERSION | 1 |", "| SCHEMA_VERSION | 2 |"),
+    ("| SCHEMA_VERSION | 2 |", "| SCHEMA_VERSION | 1 |"),
+    ("| slot_free | slot | state_slot |\n", ""),                                   # a version-1 rename dropped
     ("| temperature | float or int | sampling", "| temperature | float | sampling"),   # an event field's type
     ("| world_size | int |", "| world_size | str |"),                                # a header field's type
     ("| num_kv_blocks | int |", "| num_kv_blocks | float |"),                          # an engine value's type
@@ -189,16 +194,21 @@ def test_round_trip_of_every_event_kind(full):
     assert tf.clean and tf.cut is None
     kinds = Counter(e.kind for e in events)
     assert set(kinds) | {"footer"} == {name for name, _ in schema.EVENTS.values()}
-    assert tf.footer[0] == dict(kinds) and tf.footer[1] == kinds["schedule"] and tf.footer[3] is True
+    assert tf.footer.counts == dict(kinds) and tf.footer.num_steps == kinds["schedule"] and tf.footer.clean is True
     for code, (name, fields) in schema.EVENTS.items():
         types = [r[1] for r in tables[f"{code} {name}"]]
-        for e in ([e.fields for e in events if e.kind == name] if name != "footer" else [tf.footer]):
-            assert [conforms(v, ty) for v, ty in zip(e, types)] == [True] * len(fields), (name, e)
+        for e in ([e for e in events if e.kind == name] if name != "footer" else [tf.footer]):
+            assert type(e) is schema.RECORDS[code] and e.names == fields and e._fields == (*fields, "offset")
+            values = [getattr(e, f) for f in fields]
+            if name == "schedule":   # rows are Rows: as the arrays they were
+                values[fields.index("rows")] = [list(r) for r in e.rows]
+            assert [conforms(v, ty) for v, ty in zip(values, types)] == [True] * len(fields), (name, e)
     row_types = [r[1] for r in tables["Schedule row"]]
     for e in events:
         if e.kind == "schedule":
-            assert e.fields[2] in (0, 1)   # the batch kind (e.kind is the event's kind name)
+            assert e.batch_kind in (0, 1)   # (e.kind is the event's kind name)
             for row in e.rows:
+                assert type(row) is schema.Row
                 assert all(conforms(v, ty) for v, ty in zip(row, row_types)), row
     header_types = {r[0]: r[1] for r in tables["Header"]}
     assert set(tf.header) == set(schema.HEADER_FIELDS)
@@ -275,14 +285,13 @@ def test_index_columns_agree_with_the_events(full):
     index = TraceIndex(tf)
     assert len(index) == len(events) and index.cut is None
     for i, e in enumerate(events):
-        names = schema.EVENTS[schema.KIND[e.kind]][1]
-        field = lambda *ns: next((e.fields[names.index(n)] for n in ns if n in names), -1)
+        field = lambda *ns: next((getattr(e, n) for n in ns if n in e.names), -1)
         assert (index.offset[i], index.kind[i], index.step[i], index.seq_id[i], index.t[i]) == \
             (e.offset, schema.KIND[e.kind], field("step"), field("seq_id"), field("t", "start")), e
         assert index.event_at(i) == e
     assert index.offset.dtype == np.int64 and index.kind.dtype == np.uint8 and index.step.dtype == np.int32
     assert index.seq_id.dtype == np.int32 and index.t.dtype == np.int64
-    assert np.array_equal(index.step_offsets, [o for _, o in tf.footer[2]])
+    assert np.array_equal(index.step_offsets, [o for _, o in tf.footer.step_offsets])
 
 
 def test_index_random_access_by_step_request_and_kind(full):
@@ -293,7 +302,7 @@ def test_index_random_access_by_step_request_and_kind(full):
         assert [events[i] for i in index.events_of_step(s)] == [e for e in events if getattr(e, "step", None) == s]
     for q in range(4):
         want = [e for e in events if getattr(e, "seq_id", None) == q
-                or e.kind == "schedule" and any(r[0] == q for r in e.rows)]
+                or e.kind == "schedule" and any(r.seq_id == q for r in e.rows)]
         assert [events[i] for i in index.events_of_request(q)] == want
     for name in schema.KIND:
         assert [events[i] for i in index.events_of_kind(name)] == [e for e in events if e.kind == name]
@@ -306,10 +315,10 @@ def test_index_step_table_summarises_each_step(full):
     tf, events = full
     st_ = TraceIndex(tf).steps
     schedules = [e for e in events if e.kind == "schedule"]
-    assert len(st_) == len(schedules) == tf.footer[1]
+    assert len(st_) == len(schedules) == tf.footer.num_steps
     for r, e in enumerate(schedules):
-        assert (st_.step[r], st_.kind[r], st_.rows[r], st_.tokens[r], st_.preemptions[r]) == \
-            (e.step, e.fields[2], len(e.rows), sum(len(row[3]) for row in e.rows), len(e.preempted))
+        assert (st_.step[r], st_.batch_kind[r], st_.rows[r], st_.tokens[r], st_.preemptions[r]) == \
+            (e.step, e.batch_kind, len(e.rows), sum(len(row.token_ids) for row in e.rows), len(e.preempted))
         spans = {(x.phase if x.kind == "cpu_span" else 3): (x.start, x.end) for x in events
                  if x.kind in ("cpu_span", "device_span") and x.step == e.step}
         got = [(st_.schedule_start[r], st_.schedule_end[r]), (st_.execute_start[r], st_.execute_end[r]),
@@ -371,7 +380,7 @@ def test_index_scan_speed(tmp_path):
     index = TraceIndex(TraceFile(tmp_path / "big.mdt"))
     seconds = time.perf_counter() - start
     print(f"\nindexed {n} events in {seconds:.2f} s: {n / seconds / 1e6:.2f} M events/s")
-    assert len(index) == n and index.cut is None and len(index.steps) == index.trace.footer[1]
+    assert len(index) == n and index.cut is None and len(index.steps) == index.trace.footer.num_steps
     assert n / seconds > 100_000
     assert np.all(index.steps.device_end - index.steps.device_start == 70)
 
@@ -506,7 +515,7 @@ def test_length_claims_within_the_limits_beyond_the_end_are_a_cut(tmp_path, clai
 @pytest.mark.parametrize("data, words", [
     (msgpack.packb({"magic": "other", "schema_version": 1}), "wrong magic"),
     (msgpack.packb([1, 2, 3]), "wrong magic"),
-    (msgpack.packb({"magic": schema.MAGIC, "schema_version": 2}), "schema version 2; this mdi-trace reads version 1"),
+    (msgpack.packb({"magic": schema.MAGIC, "schema_version": 3}), "schema version 3; this mdi-trace reads versions 1 and 2"),
     (msgpack.packb({"magic": schema.MAGIC}), "schema version None"),
     (b"\xc1garbage", "no readable header"),
     (b"", "empty"),
@@ -682,3 +691,99 @@ def test_a_damaged_real_log_is_read_or_refused_never_a_traceback(full, tmp_path,
         read_all(path)
     except TraceError as e:
         assert one_sentence(str(e)), str(e)
+
+
+# ---- version 1, read as version 2 ----------------------------------------------------------------------
+V1_LOG = ROOT / "tests" / "data" / "v1-micro-preempt-cancel.mdt"   # traces/examples/micro-preempt-cancel.mdt
+                                                                 # as committed before schema version 2
+
+
+def test_a_version_1_log_reads_as_version_2():
+    """The version-1 example (written before the renames) is served in version 2's names: a schedule event's
+    batch_kind, a slot event's state_slot, and the epoch bump after its cancellation reads reason "cancel" (it
+    was written as "abort"); its index, summary and verify work as on a version-2 log."""
+    from tracing.summary import summarize
+    from tracing.verify import verify
+    with TraceFile(V1_LOG) as tf:
+        assert tf.header["schema_version"] == tf.version == 1 and tf.clean
+        events = list(tf.events())
+        assert {e.batch_kind for e in events if e.kind == "schedule"} == {0, 1}
+        assert all(type(e.state_slot) is int for e in events if e.kind in ("slot_alloc", "slot_free"))
+        after = {e.kind for prev, e in zip(events, events[1:]) if prev.kind == "cancel"}
+        bumps = [(prev.kind, schema.EPOCH_REASONS[e.reason]) for prev, e in zip(events, events[1:])
+                 if e.kind == "epoch_bump"]
+        assert after == {"epoch_bump"} and ("cancel", "cancel") in bumps and ("preempt", "preempt") in bumps
+        assert set(bumps) == {("cancel", "cancel"), ("preempt", "preempt")}
+        from tracing import reader
+        assert reader._V1_REASON == tuple(schema.EPOCH_REASONS.index(r) for r in ("preempt", "cancel"))
+        assert [tf.event_at(e.offset) for e in events[::11]] == events[::11]
+        assert len(TraceIndex(tf)) == len(events) and summarize(tf).cancellations == 1
+        assert verify(tf).total == 0
+
+
+# ---- one summary: info's and the viewer's Overview -----------------------------------------------------
+def naive_summary(tf: TraceFile) -> dict:
+    """The summary's numbers counted event by event from the records, by name: the oracle."""
+    out = dict(requests=0, prompt_tokens=0, computed_tokens=0, output_tokens=0, stale_tokens=0, preemptions=0,
+               cancellations=0, epoch_bumps=0, device_busy_ns=0, events=0, steps=Counter(), finish_reasons=Counter())
+    first, last = None, 0
+    for e in tf.events():
+        out["events"] += 1
+        if e.kind in ("cpu_span", "device_span"):
+            start, end = e.start, e.end
+        elif e.kind != "step_digest":
+            start = end = e.t
+        if e.kind != "step_digest":
+            first, last = start if first is None else min(first, start), max(last, end)
+        if e.kind == "request_added":
+            out["requests"] += 1
+            out["prompt_tokens"] += len(e.prompt_token_ids)
+        elif e.kind == "schedule":
+            out["steps"][schema.BATCH_KINDS[e.batch_kind]] += 1
+            out["computed_tokens"] += sum(len(r.token_ids) for r in e.rows)
+        elif e.kind == "token":
+            out["output_tokens" if e.appended else "stale_tokens"] += 1
+        elif e.kind in ("preempt", "cancel", "epoch_bump"):
+            out[{"preempt": "preemptions", "cancel": "cancellations", "epoch_bump": "epoch_bumps"}[e.kind]] += 1
+        elif e.kind == "finish":
+            out["finish_reasons"][schema.FINISH_REASONS[e.reason]] += 1
+        elif e.kind == "device_span":
+            out["device_busy_ns"] += e.end - e.start
+    return {**out, "first_ns": first, "last_ns": last}
+
+
+@pytest.mark.parametrize("name", ["micro-preempt-cancel.mdt", "micro-2rank.rank1.mdt", "h200-tiny68m-zos.mdt"])
+def test_info_and_the_overview_show_one_summary(name):
+    """`mdi-trace info` (summarize: the index's scan, keeping nothing) and the viewer's Overview (the index's
+    summary) give the same numbers, the ones an event-by-event count gives."""
+    from tracing.summary import summarize
+    from tui.data import TraceModel
+    path = ROOT / "traces" / "examples" / name
+    with TraceFile(path) as tf:
+        info, want = summarize(tf), naive_summary(tf)
+    assert {k: getattr(info, k) for k in want} == want
+    model = TraceModel(path)
+    model.load()
+    assert model.index.summary == info
+    rows = dict(model.overview())
+    assert rows["events"] == f"{info.events:,}" and rows["steps"].startswith(
+        f"{info.num_steps:,} ({info.steps['prefill']:,} prefill, {info.steps['decode']:,} decode)")
+    assert rows["tokens"] == (f"{info.computed_tokens:,} computed, {info.sampled_tokens:,} sampled, "
+                              f"{info.output_tokens:,} appended as output")
+    assert rows["preemptions"] == f"{info.preemptions}, cancellations {info.cancellations}, epoch bumps {info.epoch_bumps}"
+    assert rows["device"].startswith(f"busy {100 * info.device_busy:.0f}%")
+    assert rows["requests"].startswith(f"{info.requests}; finished: ")
+
+
+def test_a_summary_keeps_no_columns(tmp_path, traced_peak):
+    """summarize() (what info prints) holds a chunk of events at a time, not the index's columns: its memory stays
+    flat as the log grows."""
+    from tracing.summary import summarize
+    peaks = []
+    for size in (20_000, 400_000):
+        n = synthetic_log(tmp_path / f"{size}.mdt", size)
+        with TraceFile(tmp_path / f"{size}.mdt") as tf, traced_peak() as traced:
+            s = summarize(tf)
+        assert s.events == n
+        peaks.append(traced.bytes)
+    assert peaks[1] < 2 * peaks[0], peaks

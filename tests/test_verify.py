@@ -19,7 +19,7 @@ import pytest
 
 from tracing import Recorder
 from tracing.reader import open_trace
-from tracing.schema import BATCH_KINDS, EVENTS, KIND, PHASES, ROW_FIELDS, TRAILER_TAG
+from tracing.schema import BATCH_KINDS, EVENTS, FINISH_REASONS, KIND, PHASES, ROW_FIELDS, TRAILER_TAG
 from tracing.ranks import open_run
 from tracing.verify import Finding, verify, verify_run
 
@@ -182,7 +182,7 @@ def schedule_rows(events: list[list], i: int) -> list[int]:
 def find_row(events: list[list], kind: str, start: int = 0, **match) -> tuple[int, int]:
     """(event index, row index) of the first row of a `kind` step from `start` whose fields equal `match`."""
     return next((i, j) for i in range(start, len(events)) if events[i][0] == KIND["schedule"]
-                and BATCH_KINDS[field(events[i], "kind")] == kind
+                and BATCH_KINDS[field(events[i], "batch_kind")] == kind
                 for j, r in enumerate(field(events[i], "rows")) if all(row_field(r, k) == v for k, v in match.items()))
 
 
@@ -235,7 +235,7 @@ def test_a_run_that_requeues_a_preempted_request_at_the_head_verifies_clean(requ
         _, events = read_log(path)
         p = next(i for i, e in enumerate(events) if e[0] == KIND["schedule"] and field(e, "preempted"))
         assert field(events[p], "preempted") == [3, 0]
-        assert schedule_rows(events, find(events, "schedule", p + 1, kind=0))[0] == 0
+        assert schedule_rows(events, find(events, "schedule", p + 1, batch_kind=0))[0] == 0
         assert verify(open_trace(path)) == []
 
 
@@ -291,7 +291,7 @@ def test_blocks_freed_without_the_slot_are_found(preempted, tmp_path):
     p = find(events, "preempt")
     s = field(events[p], "seq_id")
     assert events[p - 1][0] == KIND["slot_free"] and field(events[p - 1], "seq_id") == s
-    slot = field(events[p - 1], "slot")
+    slot = field(events[p - 1], "state_slot")
     f = first(plant(preempted, tmp_path / "noslot.mdt", lambda ev: ev.pop(p - 1)))
     assert (f.step, f.seq_id) == (field(events[p], "step"), s)
     assert f.message == f"still owns slot {slot} at its preemption"
@@ -340,7 +340,7 @@ def test_an_epoch_going_down_is_found(cancelled, tmp_path):
 def test_an_illegal_decode_row_is_found(preempted, tmp_path, how):
     """Decode only at start == get_len() - 1, with input None exactly when a token is in flight."""
     _, events = read_log(preempted)
-    i = find(events, "schedule", kind=1)
+    i = find(events, "schedule", batch_kind=1)
     rows = field(events[i], "rows")
     j = next(j for j, r in enumerate(rows) if row_field(r, "token_ids") == ([None] if how == "input token" else
                                                                           row_field(r, "token_ids")))
@@ -370,7 +370,7 @@ def test_a_row_with_the_wrong_sampling_key_is_found(preempted, tmp_path, how):
     else:
         i, j = find_row(events, "decode", token_ids=[None])  # its input token is in flight
     row = field(events[i], "rows")[j]
-    s, n, kind = row_field(row, "seq_id"), row_field(row, "output_position"), BATCH_KINDS[field(events[i], "kind")]
+    s, n, kind = row_field(row, "seq_id"), row_field(row, "output_position"), BATCH_KINDS[field(events[i], "batch_kind")]
     key, value, message = {
         "seed": ("seed", 12345, f"a {kind} row with seed 12345 and temperature"),
         "temperature": ("temperature", 0.5, f"a {kind} row with seed {row_field(row, 'seed')} and temperature 0.5"),
@@ -399,7 +399,7 @@ def test_an_admission_out_of_fcfs_order_is_found(preempted, requeued, tmp_path, 
     if how == "decode row for a waiting request":  # the recomputation's last chunk: one row, the prompt's end
         i, _ = find_row(events, "prefill", find(events, "preempt"), sample=True)
         rows = schedule_rows(events, i)
-        edit = lambda ev: set_field(ev[i], "kind", BATCH_KINDS.index("decode"))  # noqa: E731
+        edit = lambda ev: set_field(ev[i], "batch_kind", BATCH_KINDS.index("decode"))  # noqa: E731
         message = f"a decode row for a request in the waiting queue [{rows[0]}]"
     else:  # a prefill step of two rows: requests 0 and 1 in arrival order, or 0 (requeued at the head) and 3
         rows = [0, 1] if how == "rows swapped" else [0, 3]
@@ -459,7 +459,7 @@ def test_a_resource_never_freed_at_the_end_is_found(preempted, tmp_path):
     _, events = read_log(preempted)
     last = max(i for i, e in enumerate(events) if e[0] == KIND["finish"])
     s = field(events[last], "seq_id")
-    blocks, slot = field(events[last - 2], "block_ids"), field(events[last - 1], "slot")
+    blocks, slot = field(events[last - 2], "block_ids"), field(events[last - 1], "state_slot")
     digest = find(events, "step_digest", last)
 
     def edit(ev):
@@ -527,3 +527,89 @@ def test_verify_exits_0_on_a_cut_log_and_1_on_a_violation_before_the_cut(preempt
 def test_verify_imports_neither_torch_nor_the_model():
     code = "import sys, tracing.verify; bad = {'torch', 'engine.llm', 'model.transformer'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# ---- the rules the engine's lifetime tests need (tests/test_engine_lifetimes.py runs its engines through verify) --
+def _a_length_finish(ev):
+    """(index of a finish(length) event, index of its request's request_added)."""
+    i = next(i for i, e in enumerate(ev) if e[0] == KIND["finish"] and FINISH_REASONS[field(e, "reason")] == "length")
+    return i, find(ev, "request_added", seq_id=field(ev[i], "seq_id"))
+
+
+def _swap_a_slot_free(ev):
+    i = next(i for i, e in enumerate(ev) if e[0] == KIND["slot_free"])
+    ev[i - 1], ev[i] = ev[i], ev[i - 1]
+
+
+def _more_max_tokens(ev):
+    a = _a_length_finish(ev)[1]
+    set_field(ev[a], "max_tokens", field(ev[a], "max_tokens") + 1)
+
+
+def _fewer_max_tokens(ev):
+    a = _a_length_finish(ev)[1]
+    set_field(ev[a], "max_tokens", field(ev[a], "max_tokens") - 1)
+
+
+def _stop_without_a_stop_token(ev):
+    set_field(ev[_a_length_finish(ev)[0]], "reason", FINISH_REASONS.index("stop"))
+
+
+def _an_empty_row(ev):
+    i, j = find_row(ev, "prefill")
+    field(ev[i], "rows")[j][ROW_FIELDS.index("token_ids")] = []
+
+
+def _an_empty_step(ev):
+    i = find(ev, "schedule", batch_kind=BATCH_KINDS.index("decode"), preempted=[])
+    set_field(ev[i], "rows", [])
+
+
+def _a_prefill_step_preempts(ev):
+    i = next(i for i, e in enumerate(ev) if e[0] == KIND["schedule"] and field(e, "preempted"))
+    set_field(ev[i], "batch_kind", BATCH_KINDS.index("prefill"))
+
+
+def _a_token_off_its_row(ev):
+    i = find(ev, "token")
+    set_field(ev[i], "position", field(ev[i], "position") + 1)
+
+
+def _a_token_outside_the_vocabulary(ev, vocab):
+    i = find(ev, "token", appended=True)
+    set_field(ev[i], "token_id", vocab)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_swap_a_slot_free, "slot {} freed, not right after the request's blocks"),
+    (_more_max_tokens, "finish (length) with"),
+    (_fewer_max_tokens, "a decode row samples output token"),
+    (_stop_without_a_stop_token, "finish (stop) whose last output token"),
+    (_an_empty_row, "a prefill row with no tokens"),
+    (_an_empty_step, "a decode step with no rows and no preemption"),
+    (_a_prefill_step_preempts, "a prefill step that preempts"),
+    (_a_token_off_its_row, "a token at position"),
+    ("vocab", "a token {} appended, outside the vocabulary of"),
+    ("block_size", "a prefill row ending at"),
+], ids=lambda v: getattr(v, "__name__", v) if not isinstance(v, str) or " " not in v else "")
+def test_each_rule_of_the_engine_lifetime_tests_is_verify_s(preempted, tmp_path, edit, message):
+    """The rules tests/test_engine_lifetimes.py once kept in a ledger of its own, now verify's, each broken once
+    in a recorded log: a slot freed apart from its blocks, a finish that does not fit the request (length short
+    of max_tokens, a stop without a stop token), a row past max_tokens or with no tokens, an empty step, a
+    prefill step that preempts, a token away from its row's end or outside the vocabulary, a block table longer
+    or shorter than its positions need (the header's block size changed)."""
+    header, events = read_log(preempted)
+    head = msgpack.unpackb(header, raw=False)
+    if edit == "vocab":
+        vocab = head["model"]["vocab_size"]
+        edit, message = (lambda ev: _a_token_outside_the_vocabulary(ev, vocab)), message.format(vocab)
+    elif edit == "block_size":
+        head["engine"]["block_size"] //= 2
+        header, edit = msgpack.packb(head, use_bin_type=True), (lambda ev: None)
+    elif "{}" in message:
+        message = message.format(field(events[next(i for i, e in enumerate(events) if e[0] == KIND["slot_free"])],
+                                       "state_slot"))
+    edit(events)
+    findings = verify(open_trace(write_log(tmp_path / "edited.mdt", header, events)))
+    print(*findings, sep="\n")
+    assert first(findings).message.startswith(message), first(findings).message

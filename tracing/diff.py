@@ -14,6 +14,7 @@ Header differences that explain a diff (device, torch, engine configuration, wei
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.platform import differences
 
@@ -21,6 +22,34 @@ from tracing.reader import TraceFile
 from tracing.schema import BATCH_KINDS
 
 _HEADER_KEYS = ("checkpoint_digest", "device", "torch", "triton", "dtype", "engine", "seed", "intra_op_threads")
+
+
+class _Request(NamedTuple):
+    """What diff compares of a request_added event: everything but its time."""
+    prompt_token_ids: tuple
+    temperature: float
+    seed: int
+    max_tokens: int
+    ignore_eos: bool
+    stop_token_ids: tuple
+
+
+class _Row(NamedTuple):
+    """What diff compares of a schedule row (its tokens by count: ZOS changes which are in flight)."""
+    seq_id: int
+    epoch: int
+    start: int
+    num_tokens: int
+    block_table: tuple
+    state_slot: int
+    sample: bool
+
+
+class _Step(NamedTuple):
+    step: int
+    batch_kind: str
+    rows: tuple
+    preempted: tuple
 
 
 @dataclass(slots=True)
@@ -42,7 +71,7 @@ class DiffResult:
 class _Run:
     """What diff compares of one trace, read in one pass."""
     requests: dict = field(default_factory=dict)    # seq_id -> (prompt, temperature, seed, max_tokens, ...)
-    steps: list = field(default_factory=list)       # (step, kind, rows, preempted) in order
+    steps: list = field(default_factory=list)       # _Step in order
     tokens: dict = field(default_factory=dict)      # seq_id -> {position: (token_id, step)}
 
     @classmethod
@@ -50,17 +79,19 @@ class _Run:
         run = cls()
         for e in trace.events():
             if e.kind == "request_added":
-                run.requests[e.seq_id] = tuple(tuple(v) if isinstance(v, list) else v for v in e.fields[2:])
+                run.requests[e.seq_id] = _Request(tuple(e.prompt_token_ids), e.temperature, e.seed, e.max_tokens,
+                                                  e.ignore_eos, tuple(e.stop_token_ids))
             elif e.kind == "schedule":
-                rows = tuple((r[0], r[1], r[2], len(r[3]), tuple(r[4]), r[5], r[6]) for r in e.rows)
-                run.steps.append((e.step, BATCH_KINDS[e.fields[2]], rows, tuple(e.preempted)))  # fields[2]: the batch kind
+                rows = tuple(_Row(r.seq_id, r.epoch, r.start, len(r.token_ids), tuple(r.block_table), r.state_slot,
+                                  r.sample) for r in e.rows)
+                run.steps.append(_Step(e.step, BATCH_KINDS[e.batch_kind], rows, tuple(e.preempted)))
             elif e.kind == "token" and e.appended:
                 run.tokens.setdefault(e.seq_id, {})[e.position] = (e.token_id, e.step)
         return run
 
     def clip(self, last_step: int, requests: set[int]) -> None:
         """Keep what a log cut short can be compared on: the steps up to `last_step` and the `requests`."""
-        self.steps = [s for s in self.steps if s[0] <= last_step]
+        self.steps = [s for s in self.steps if s.step <= last_step]
         self.requests = {q: r for q, r in self.requests.items() if q in requests}
         self.tokens = {q: t for q, t in self.tokens.items() if q in requests}
 
@@ -68,33 +99,33 @@ class _Run:
 def _rows(rows, mark: int | None = None) -> str:
     """`request@start+n [blocks] slot s` per row; the row at `mark` in bold."""
     parts = []
-    for i, (seq, epoch, start, n, blocks, slot, _sample) in enumerate(rows[:6]):
-        text = f"{seq}.{epoch}@{start}+{n} {list(blocks)} slot {slot}"
+    for i, r in enumerate(rows[:6]):
+        text = f"{r.seq_id}.{r.epoch}@{r.start}+{r.num_tokens} {list(r.block_table)} slot {r.state_slot}"
         parts.append(f"[bold]{text}[/]" if i == mark else text)
     return ", ".join(parts) + (f", … ({len(rows)} rows)" if len(rows) > 6 else "")
 
 
-def _step(s) -> str:
-    step, kind, rows, preempted = s
-    return f"step {step} {kind}: {_rows(rows)}" + (f"; preempted {list(preempted)}" if preempted else "")
+def _step(s: _Step) -> str:
+    return f"step {s.step} {s.batch_kind}: {_rows(s.rows)}" + (f"; preempted {list(s.preempted)}" if s.preempted else "")
 
 
 def _first_decision(a: _Run, b: _Run) -> DiffFinding | None:
     for sa, sb in zip(a.steps, b.steps):
         if sa == sb:
             continue
-        if sa[1] != sb[1] or len(sa[2]) != len(sb[2]):
-            return DiffFinding(f"decisions differ at step {sa[0]}", _step(sa), _step(sb))
-        i = next((i for i, (x, y) in enumerate(zip(sa[2], sb[2])) if x != y), None)
+        if sa.batch_kind != sb.batch_kind or len(sa.rows) != len(sb.rows):
+            return DiffFinding(f"decisions differ at step {sa.step}", _step(sa), _step(sb))
+        i = next((i for i, (x, y) in enumerate(zip(sa.rows, sb.rows)) if x != y), None)
         if i is None:
-            return DiffFinding(f"preemptions differ at step {sa[0]}", _step(sa), _step(sb))
-        return DiffFinding(f"decisions differ at step {sa[0]}, row {i}", f"step {sa[0]} {sa[1]}: {_rows(sa[2], i)}",
-                           f"step {sb[0]} {sb[1]}: {_rows(sb[2], i)}")
+            return DiffFinding(f"preemptions differ at step {sa.step}", _step(sa), _step(sb))
+        return DiffFinding(f"decisions differ at step {sa.step}, row {i}",
+                           f"step {sa.step} {sa.batch_kind}: {_rows(sa.rows, i)}",
+                           f"step {sb.step} {sb.batch_kind}: {_rows(sb.rows, i)}")
     if len(a.steps) != len(b.steps):
         n = min(len(a.steps), len(b.steps))
         extra = a.steps[n] if len(a.steps) > n else b.steps[n]
         side = "A" if len(a.steps) > n else "B"
-        return DiffFinding(f"only {side} has step {extra[0]}", _step(extra) if side == "A" else "(no more steps)",
+        return DiffFinding(f"only {side} has step {extra.step}", _step(extra) if side == "A" else "(no more steps)",
                            _step(extra) if side == "B" else "(no more steps)")
     return None
 
@@ -126,7 +157,7 @@ def diff_traces(ta: TraceFile, tb: TraceFile, tokens_only: bool = False) -> Diff
         result.header_notes.append("recorded on other platforms (" + "; ".join(
             differences(ta.header.get("platform"), tb.header.get("platform") or {}, ("in A", "in B"))) + ")")
     if ta.cut or tb.cut:  # compare what both hold: the cut log's steps, the requests both saw, shared tokens
-        last = min(r.steps[-1][0] if r.steps else -1 for r, t in ((a, ta), (b, tb)) if t.cut)
+        last = min(r.steps[-1].step if r.steps else -1 for r, t in ((a, ta), (b, tb)) if t.cut)
         both = set(a.requests) & set(b.requests)
         for run in (a, b):
             run.clip(last, both)
@@ -138,7 +169,8 @@ def diff_traces(ta: TraceFile, tb: TraceFile, tokens_only: bool = False) -> Diff
                 result.header_notes.append(f"{side}: {cut}; compared up to step {last}, on what both logs hold")
     if a.requests != b.requests:
         seq = next(s for s in sorted(set(a.requests) | set(b.requests)) if a.requests.get(s) != b.requests.get(s))
-        show = lambda r: f"prompt of {len(r[0])} tokens, temperature {r[1]}, seed {r[2]}" if r else "absent"  # noqa: E731
+        show = lambda r: (f"prompt of {len(r.prompt_token_ids)} tokens, temperature {r.temperature}, seed {r.seed}"  # noqa: E731
+                          if r else "absent")
         result.findings.append(DiffFinding(f"request {seq} arrives differently", show(a.requests.get(seq)),
                                            show(b.requests.get(seq))))
     if not tokens_only and (finding := _first_decision(a, b)):

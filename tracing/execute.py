@@ -96,8 +96,7 @@ def platform_note(trace: TraceFile, weights) -> str:
 
 def recorded_tokens(trace: TraceFile) -> dict[tuple[int, int, int], tuple[int, int]]:
     """(step, seq_id, epoch) -> (position, token_id) of every sampled token, stale ones included."""
-    return {(e.fields[1], e.fields[2], e.fields[3]): (e.fields[4], e.fields[5])
-            for e in trace.events() if e.kind == "token"}
+    return {(e.step, e.seq_id, e.epoch): (e.position, e.token_id) for e in trace.events() if e.kind == "token"}
 
 
 def request_tokens(trace: TraceFile) -> dict[int, list[int]]:
@@ -124,8 +123,8 @@ def recorded_batches(trace: TraceFile, until: int | None = None):
     from engine.step import ScheduledBatch, ScheduledRow
 
     for e in trace.events():
-        if e.kind == "schedule" and (until is None or e.fields[1] <= until):
-            yield ScheduledBatch(e.fields[1], BATCH_KINDS[e.fields[2]], [ScheduledRow(*r) for r in e.fields[3]])
+        if e.kind == "schedule" and (until is None or e.step <= until):
+            yield ScheduledBatch(e.step, BATCH_KINDS[e.batch_kind], [ScheduledRow(**r._asdict()) for r in e.rows])
 
 
 def margin(logits, row, winner: int, other: int) -> float:

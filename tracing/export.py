@@ -3,7 +3,7 @@
 One process per rank ("engine" for a single-process log, "rank R" for each rank of an EP x DP run, on one
 time axis: tracing/ranks.py's `offset_ns`), with a track per CPU phase (schedule, execute, process) and a
 "device" track:
-- a complete slice ("X") per phase per step, named "<phase> <step>", with the batch's kind and size;
+- a complete slice ("X") per phase per step, named "<phase> <step>", with the batch's batch_kind and size;
 - a flow ("s" -> "f", bound to the enclosing slices) from each step's execute slice to its device slice,
   which under ZOS shows step N enqueued while the device still runs N-1;
 - counters ("C") of free KV blocks and free state slots, rebuilt from the alloc/free events starting
@@ -72,7 +72,7 @@ class _Builder:
             handler = getattr(self, "_" + e.kind, None)
             if handler:
                 try:
-                    handler(*e.fields)
+                    handler(e)
                 except (IndexError, KeyError, TypeError, ValueError, OverflowError) as err:
                     raise TraceError(f"{self.trace.path} is damaged at byte {e.offset}: a malformed {e.kind} event "
                                      f"({type(err).__name__}); cannot export it.") from None
@@ -115,31 +115,31 @@ class _Builder:
         self.out.append({"ph": "i", "s": "t", "pid": self.pid, "tid": TID["schedule"], "ts": self._us(t),
                          "name": f"{what} seq {seq_id}", "args": {"step": step, "seq_id": seq_id}})
 
-    # ---- one method per event kind (tracing/schema.py), fields in schema order ------------------
-    def _schedule(self, t, step, kind, rows, preempted):
-        self.batches[step] = {"step": step, "kind": BATCH_KINDS[kind], "rows": len(rows),
-                              "tokens": sum(len(r[3]) for r in rows), "preempted": list(preempted)}
+    # ---- one method per event kind (tracing/schema.py), each given the event's record ------------------
+    def _schedule(self, e):
+        self.batches[e.step] = {"step": e.step, "batch_kind": BATCH_KINDS[e.batch_kind], "rows": len(e.rows),
+                                "tokens": sum(len(r.token_ids) for r in e.rows), "preempted": list(e.preempted)}
 
-    def _cpu_span(self, step, phase, start, end):
-        self._slice(PHASES[phase], step, start, end)
+    def _cpu_span(self, e):
+        self._slice(PHASES[e.phase], e.step, e.start, e.end)
 
-    def _device_span(self, step, start, end):
-        self._slice("device", step, start, end)
+    def _device_span(self, e):
+        self._slice("device", e.step, e.start, e.end)
 
-    def _block_alloc(self, t, seq_id, block_ids):
-        self._count("free KV blocks", t, -len(block_ids))
+    def _block_alloc(self, e):
+        self._count("free KV blocks", e.t, -len(e.block_ids))
 
-    def _block_free(self, t, seq_id, block_ids):
-        self._count("free KV blocks", t, len(block_ids))
+    def _block_free(self, e):
+        self._count("free KV blocks", e.t, len(e.block_ids))
 
-    def _slot_alloc(self, t, seq_id, slot):
-        self._count("free state slots", t, -1)
+    def _slot_alloc(self, e):
+        self._count("free state slots", e.t, -1)
 
-    def _slot_free(self, t, seq_id, slot):
-        self._count("free state slots", t, 1)
+    def _slot_free(self, e):
+        self._count("free state slots", e.t, 1)
 
-    def _preempt(self, t, step, seq_id):
-        self._instant("preempt", t, step, seq_id)
+    def _preempt(self, e):
+        self._instant("preempt", e.t, e.step, e.seq_id)
 
-    def _cancel(self, t, step, seq_id):
-        self._instant("cancel", t, step, seq_id)
+    def _cancel(self, e):
+        self._instant("cancel", e.t, e.step, e.seq_id)

@@ -38,12 +38,13 @@ from operator import getitem, itemgetter
 
 import numpy as np
 
-from tracing.reader import Event, TraceError, TraceFile
-from tracing.schema import EVENTS, KIND, PHASES
+from tracing.reader import TraceError, TraceFile
+from tracing.schema import EVENTS, FINISH_REASONS, KIND, PHASES, ROW_FIELDS, Event
+from tracing.summary import Summary
 
 SCHEDULE, CPU_SPAN, DEVICE_SPAN, TOKEN = KIND["schedule"], KIND["cpu_span"], KIND["device_span"], KIND["token"]
 BLOCK_EVENTS = (KIND["block_alloc"], KIND["block_free"])     # fields: t, seq_id, block_ids
-SLOT_EVENTS = (KIND["slot_alloc"], KIND["slot_free"])        # fields: t, seq_id, slot
+SLOT_EVENTS = (KIND["slot_alloc"], KIND["slot_free"])        # fields: t, seq_id, state_slot
 PROGRESS_EVERY = 1 << 16                                     # events between two progress callbacks
 CHUNK_EVENTS = 1 << 12                                       # events decoded and converted at a time at most,
 CHUNK_BYTES = 1 << 18                                        # and the bytes of log they span at most (+1 event)
@@ -67,7 +68,29 @@ _STEP_AT, _SEQ_AT, _T_AT = (np.array([max(LAYOUT.get(code, (0, 0, 0))[k], 0) for
                             for k in range(3))
 _SPECIAL = np.zeros(256, bool)             # the kinds whose events feed the step and resource tables
 _SPECIAL[[SCHEDULE, *BLOCK_EVENTS, *SLOT_EVENTS]] = True
-_first, _fourth = itemgetter(0), itemgetter(3)   # a schedule row's seq_id and token_ids
+# the other array positions the scan reads, by name: a token's appended flag; a schedule event's step, batch kind,
+# rows and preempted; a span's step, phase, start and end; a block event's seq_id and ids, a slot event's slot
+_APPENDED = _position(EVENTS[TOKEN][1], "appended")
+_SCHED_AT = itemgetter(*(_position(EVENTS[SCHEDULE][1], n) for n in ("step", "batch_kind", "rows", "preempted")))
+_CPU_AT = itemgetter(*(_position(EVENTS[CPU_SPAN][1], n) for n in ("step", "phase", "start", "end")))
+_DEVICE_AT = itemgetter(*(_position(EVENTS[DEVICE_SPAN][1], n) for n in ("step", "start", "end")))
+_RES_SEQ = _position(EVENTS[BLOCK_EVENTS[0]][1], "seq_id")
+_RES_IDS = {code: _position(EVENTS[code][1], "block_ids" if code in BLOCK_EVENTS else "state_slot")
+            for code in (*BLOCK_EVENTS, *SLOT_EVENTS)}
+assert all(_position(EVENTS[code][1], "seq_id") == _RES_SEQ for code in _RES_IDS)
+_REQUEST_ADDED, _FINISH = KIND["request_added"], KIND["finish"]
+_PROMPT = _position(EVENTS[_REQUEST_ADDED][1], "prompt_token_ids")
+_REASON = _position(EVENTS[_FINISH][1], "reason")
+_kind_code = itemgetter(0)                       # an event array's kind code
+_row_seq_id = itemgetter(ROW_FIELDS.index("seq_id"))
+_row_token_ids = itemgetter(ROW_FIELDS.index("token_ids"))
+
+def _device_span(obj: list) -> tuple:
+    """A device span's (step, lane, start, end), as a CPU span's (step, phase, start, end): its lane is the one
+    after the CPU phases."""
+    step, start, end = _DEVICE_AT(obj)
+    return step, len(PHASES), start, end
+
 
 # A damaged log raises the first of these, in this order (as the one-pass build did: its columns were checked
 # in this order after the scan); errors found during the scan (the reader's, malformed rows) come first.
@@ -79,7 +102,7 @@ class StepTable:
     """One row per step (per schedule event), in log order. Times in ns since t0; -1 where the log has no
     span (a step cut short before its process phase, or one that ran no rows)."""
     step: np.ndarray             # int32
-    kind: np.ndarray             # uint8: an index into BATCH_KINDS (0 prefill, 1 decode)
+    batch_kind: np.ndarray       # uint8: an index into BATCH_KINDS (0 prefill, 1 decode)
     rows: np.ndarray             # int32: batch rows
     tokens: np.ndarray           # int32: scheduled tokens, summed over the rows
     preemptions: np.ndarray      # int32: sequences preempted to make room for this step
@@ -120,6 +143,7 @@ class TraceIndex:
         self.trace = trace
         b = _scan(trace, progress, budget)
         self.cut = trace.cut
+        self.summary: Summary = b.summary     # the run's numbers (tracing/summary.py): the Overview's, info's
         self.offset, self.kind, self.step, self.seq_id, self.t, self.appended = b.columns()
         b.check(E_TWICE)  # the column errors first, then the step table's
         self.steps = b.step_table()
@@ -148,7 +172,8 @@ class TraceIndex:
         return sum(a.nbytes for a in arrays) + sum(g.nbytes for g in (self._by_step, self._by_seq, self._rows_by_seq))
 
     def _check_footer(self) -> None:
-        counts, num_steps, step_offsets = self.trace.footer[:3]
+        footer = self.trace.footer
+        counts, num_steps, step_offsets = footer.counts, footer.num_steps, footer.step_offsets
         per_kind = np.bincount(self.kind, minlength=len(EVENTS))
         scanned = {EVENTS[k][0]: int(n) for k, n in enumerate(per_kind) if n and k in EVENTS}
         same_index = type(step_offsets) is list and len(step_offsets) == len(self.steps) and all(
@@ -272,16 +297,25 @@ def _too_big(trace: TraceFile, events: int, resources: int, budget: int, counted
                   f"it in bounded memory).")
 
 
-def _scan(trace: TraceFile, progress=None, budget: int | None = None) -> _Build:
+def scan_summary(trace: TraceFile) -> Summary:
+    """The log's Summary by the index's scan, keeping no column (`summarize`: bounded memory); the TraceError
+    the index would raise for a damaged event."""
+    b = _scan(trace, keep=False)
+    b.check(None)
+    return b.summary
+
+
+def _scan(trace: TraceFile, progress=None, budget: int | None = None, keep: bool = True) -> _Build:
     """One pass over the log, CHUNK_EVENTS events at a time: each chunk's columns, schedule summaries, spans
-    and resource rows become numpy pieces before the next is decoded. The reader's TraceError for an event is
+    and resource rows become numpy pieces before the next is decoded (and fed to the Summary; with
+    `keep=False` the pieces are then dropped). The reader's TraceError for an event is
     raised once the events before it are converted (their own errors come first, as in log order).
 
     The cyclic garbage collector is off meanwhile (the scan makes no cycles): a chunk's decoded events are
     alive together, and each of its collections would walk them all, a third of the scan's time."""
     if budget is not None:
         check_budget(trace, budget)
-    b = _Build(trace)
+    b = _Build(trace, keep)
     objects = trace.objects()
     collecting = gc.isenabled()
     gc.disable()
@@ -328,21 +362,26 @@ def _chunk(objects) -> tuple[list, bool, TraceError | None]:
 class _Build:
     """The pieces of the index, chunk by chunk, and the first damage found in each category (E_*)."""
 
-    def __init__(self, trace: TraceFile):
-        self.trace, self.path, self.n = trace, trace.path, 0
+    def __init__(self, trace: TraceFile, keep: bool = True):
+        self.trace, self.path, self.n, self.keep = trace, trace.path, 0, keep
+        self.summary = Summary()
         self.errors: dict[int, str] = {}
         self.released = 0                 # bytes of the mapped log handed back to the kernel
+        self.resource_rows = 0            # KV blocks and state slots named so far
         # the five columns: preallocated from a clean log's footer if its counts are plausible, else pieces
         self.cols: list[list[np.ndarray]] = [[] for _ in _DTYPES]
         self.full: list[np.ndarray] | None = None
         claimed = _claimed_events(trace)
-        if claimed is not None:
+        if claimed is not None and keep:
             self.full = [np.empty(claimed, dt) for dt in _DTYPES]
-        self.sched: list[list[np.ndarray]] = [[], [], [], [], []]   # step, kind, rows, tokens, preemptions
+        self._pieces()
+
+    def _pieces(self) -> None:
+        """Empty lists of the pieces of the step and resource tables."""
+        self.sched: list[list[np.ndarray]] = [[], [], [], [], []]   # step, batch kind, rows, tokens, preemptions
         self.spans: list[list[np.ndarray]] = [[], [], [], []]       # step, lane, start, end
         self.res: list[list[np.ndarray]] = [[], [], [], []]         # event, kind, seq_id, resource
         self.row_seq: list[np.ndarray] = []
-        self.resource_rows = 0            # KV blocks and state slots named so far
 
     def fail(self, category: int, message: str) -> None:
         self.errors.setdefault(category, message)
@@ -371,7 +410,7 @@ class _Build:
         base, n = self.n, len(chunk)
         starts, objs = zip(*chunk)
         offset = np.array(starts, np.int64)
-        kind = np.array(list(map(_first, objs)), np.uint8)
+        kind = np.array(list(map(_kind_code, objs)), np.uint8)
         cols = []
         for at, dtype, category, name in ((_STEP_AT, np.int32, E_STEP, "step"), (_SEQ_AT, np.int32, E_SEQ, "seq_id"),
                                           (_T_AT, np.int64, E_TIME, "time")):
@@ -382,11 +421,28 @@ class _Build:
         appended = np.zeros(n, bool)   # a token event's last field, True only if it is the bool True
         tokens = np.flatnonzero(kind == TOKEN).tolist()
         if tokens:
-            appended[tokens] = [objs[j][7] is True for j in tokens]
+            appended[tokens] = [objs[j][_APPENDED] is True for j in tokens]
         self._put((offset, kind, *cols, appended))
+        self.summary.add_events(kind, cols[2], appended)
+        self._requests_and_finishes(objs, kind, starts)
         self._spans(objs, kind)
         self._special(objs, kind, starts, base)
         self.n += n
+        if not self.keep:   # a summary only: nothing outlives the chunk
+            self.cols = [[] for _ in _DTYPES]
+            self._pieces()
+
+    def _requests_and_finishes(self, objs: list, kind: np.ndarray, starts) -> None:
+        """The Summary's prompt tokens and finish reasons."""
+        for j in np.flatnonzero((kind == _REQUEST_ADDED) | (kind == _FINISH)).tolist():
+            obj = objs[j]
+            if obj[0] == _REQUEST_ADDED:
+                self.summary.add_request(len(obj[_PROMPT]))
+            elif 0 <= obj[_REASON] < len(FINISH_REASONS):
+                self.summary.add_finish(obj[_REASON])
+            else:
+                raise TraceError(f"{self.path} is damaged at byte {starts[j]}: a malformed finish event (reason "
+                                 f"{obj[_REASON]}).")
 
     def _put(self, pieces) -> None:
         a, b = self.n, self.n + len(pieces[0])
@@ -420,15 +476,15 @@ class _Build:
         at = np.flatnonzero((kind == CPU_SPAN) | (kind == DEVICE_SPAN)).tolist()
         if not at:
             return
-        sp = [objs[j] for j in at]
-        cols = [[o[1] for o in sp], [o[2] if o[0] == CPU_SPAN else len(PHASES) for o in sp],
-                [o[3] if o[0] == CPU_SPAN else o[2] for o in sp], [o[4] if o[0] == CPU_SPAN else o[3] for o in sp]]
+        sp = [_CPU_AT(o) if o[0] == CPU_SPAN else _device_span(o) for o in map(objs.__getitem__, at)]
+        cols = list(zip(*sp))   # step, lane, start, end
         arrays = [_ints(c) for c in cols]
         if any(a is None for a in arrays):
             self.fail(E_TABLE_INT, f"{self.path} is damaged: a schedule or span event has a field that is not an "
                                    f"integer.")
             return
         step, lane, start, end = arrays
+        self.summary.add_spans(lane, start, end)
         if len(step) > 1:
             order = np.lexsort((np.arange(len(step)), lane, step))   # by step, lane, then log order
             last = np.ones(len(order), bool)
@@ -447,21 +503,24 @@ class _Build:
         for j in np.flatnonzero(_SPECIAL[kind]).tolist():
             obj, code, i = objs[j], objs[j][0], base + j
             if code == SCHEDULE:
-                _, _, step, bkind, batch, preempted = obj
+                step, batch_kind, batch, preempted = _SCHED_AT(obj)
                 try:
-                    sched.append((step, bkind, len(batch), sum(map(len, map(_fourth, batch))), len(preempted)))
-                    seqs = list(map(_first, batch))
+                    if any(len(r) != len(ROW_FIELDS) for r in batch):
+                        raise TypeError
+                    sched.append((step, batch_kind, len(batch), sum(map(len, map(_row_token_ids, batch))),
+                                  len(preempted)))
+                    seqs = list(map(_row_seq_id, batch))
                 except (TypeError, IndexError):
                     raise TraceError(f"{self.path} is damaged at byte {starts[j]}: a schedule event with malformed "
                                      f"rows.") from None
                 row_event.extend(repeat(i, len(seqs)))
                 row_seq.extend(seqs)
             elif code in BLOCK_EVENTS:
-                if type(obj[3]) is not list:
+                if type(obj[_RES_IDS[code]]) is not list:
                     raise TraceError(f"{self.path} is damaged at byte {starts[j]}: its block_ids are not a list.")
-                res.add(i, code, obj[2], obj[3])
+                res.add(i, code, obj[_RES_SEQ], obj[_RES_IDS[code]])
             else:
-                res.add(i, code, obj[2], [obj[3]])
+                res.add(i, code, obj[_RES_SEQ], [obj[_RES_IDS[code]]])
         res.flush()
         if sched:
             cols = [_ints(c) for c in zip(*sched)]
@@ -469,6 +528,7 @@ class _Build:
                 self.fail(E_TABLE_INT, f"{self.path} is damaged: a schedule or span event has a field that is not "
                                        f"an integer.")
             else:
+                self.summary.add_steps(cols[1], cols[3])
                 for col, piece, dt in zip(self.sched, cols, (np.int32, np.uint8, np.int32, np.int32, np.int32)):
                     col.append(piece.astype(dt))
         if row_seq:
@@ -495,8 +555,8 @@ class _Build:
         return [_join(col, dt) for col, dt in zip(self.cols, _DTYPES)]
 
     def step_table(self) -> StepTable:
-        step, kind, rows, tokens, preempted = (_join(c, dt) for c, dt in
-                                               zip(self.sched, (np.int32, np.uint8, np.int32, np.int32, np.int32)))
+        step, batch_kind, rows, tokens, preempted = (_join(c, dt) for c, dt in
+                                                     zip(self.sched, (np.int32, np.uint8, np.int32, np.int32, np.int32)))
         span_step, lane, start, end = (_join(c, np.int64) for c in self.spans)
         n, path = len(step), self.path
         order = np.argsort(step, kind="stable")
@@ -511,7 +571,7 @@ class _Build:
         r = order[pos]
         times[lane, 0, r], times[lane, 1, r] = start, end
         self.check(None)  # a resource or row error before the footer's
-        return StepTable(step, kind, rows, tokens, preempted, *times.reshape(2 * (len(PHASES) + 1), n))
+        return StepTable(step, batch_kind, rows, tokens, preempted, *times.reshape(2 * (len(PHASES) + 1), n))
 
     def resource_table(self) -> ResourceTable:
         return ResourceTable(*(_join(c, dt) for c, dt in zip(self.res, (np.int64, np.uint8, np.int32, np.int32))))
@@ -592,9 +652,9 @@ def _release(data, start: int, end: int) -> None:
 
 def _claimed_events(trace: TraceFile) -> int | None:
     """The events a clean log's footer counts, if that many fit in its bytes (a claim is no allocation)."""
-    if not trace.clean or type(trace.footer[0]) is not dict:
+    if not trace.clean or type(trace.footer.counts) is not dict:
         return None
-    counts = trace.footer[0].values()
+    counts = trace.footer.counts.values()
     if not all(type(c) is int and c >= 0 for c in counts):
         return None
     n = sum(counts)

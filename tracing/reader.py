@@ -8,6 +8,12 @@ header's fields and every event's fields are type-checked against tracing/schema
 EVENT_TYPES: the top-level type of each field), so that what the tools index into is what they expect. A
 log cut short (a crash, or a run still going) serves every complete event before the cut and reports the
 cut.
+
+What a consumer gets is a typed record per event (tracing/schema.py RECORDS: `Schedule`, `Token`, ..., each a
+NamedTuple of its kind's fields by name, plus `offset`, the byte it starts at; a schedule event's rows are
+`Row`s), from `events()` and `event_at()`; `objects()` gives the raw arrays, for the index's columnar scan. A
+version-1 log is read as version 2: its arrays are laid out alike and only names changed, so the one value to
+convert is an epoch bump's reason code (by name, V1_EPOCH_REASONS to EPOCH_REASONS).
 """
 from __future__ import annotations
 
@@ -20,10 +26,15 @@ from typing import Iterator, NoReturn
 
 import msgpack
 
-from tracing.schema import ENGINE_LEAST, ENGINE_TYPES, EVENT_TYPES, EVENTS, HEADER_TYPES, KIND, MAGIC, PLATFORM_TYPES, \
-    SCHEMA_VERSION, TRAILER_SIZE, TRAILER_TAG
+from tracing.schema import ENGINE_LEAST, ENGINE_TYPES, EPOCH_REASONS, EVENT_TYPES, EVENTS, HEADER_TYPES, KIND, \
+    MAGIC, PLATFORM_TYPES, READ_VERSIONS, RECORDS, ROW_FIELDS, TRAILER_SIZE, TRAILER_TAG, \
+    V1_EPOCH_REASONS, V1_REASON_RENAMED, Event, Row
 
-FOOTER = KIND["footer"]
+FOOTER, SCHEDULE, EPOCH_BUMP = KIND["footer"], KIND["schedule"], KIND["epoch_bump"]
+_ROWS_AT = EVENTS[SCHEDULE][1].index("rows")                  # in a record (the array's index less one)
+_REASON_AT = EVENTS[EPOCH_BUMP][1].index("reason") + 1        # in an event array
+# a version-1 epoch reason code -> version 2's, by name
+_V1_REASON = tuple(EPOCH_REASONS.index(V1_REASON_RENAMED.get(r, r)) for r in V1_EPOCH_REASONS)
 CHUNK = 1 << 20  # bytes fed to the streaming unpacker at a time
 
 # Bounds on any single object of a log (a prompt is at most max_seq_len tokens; a batch a few thousand rows).
@@ -104,22 +115,35 @@ class Cut:
                 f"of {self.size}")
 
 
-@dataclass(slots=True)
-class Event:
-    offset: int
-    kind: str
-    fields: list
+def record(obj: list, offset: int | None, path="the log") -> Event:
+    """The typed record of a well-formed event array (as `objects()` yields them): its kind's NamedTuple, with
+    the byte `offset`; a schedule event's rows as `Row`s (TraceError, one sentence, for a row that is not an
+    array of the row's fields: what a row holds is its consumers' to check)."""
+    cls = RECORDS[obj[0]]
+    if obj[0] != SCHEDULE:
+        return cls(*obj[1:], offset)
+    fields = obj[1:]
+    rows = fields[_ROWS_AT]
+    if any(r.__class__ is not list or len(r) != len(ROW_FIELDS) for r in rows):
+        raise TraceError(f"{path} is damaged at byte {offset}: a malformed schedule event (rows that are not arrays of "
+                         f"{len(ROW_FIELDS)} fields).")
+    fields[_ROWS_AT] = [Row(*r) for r in rows]
+    return cls(*fields, offset)
 
-    def __getattr__(self, name):
-        names = EVENTS[KIND[self.kind]][1]
-        if name in names:
-            return self.fields[names.index(name)]
-        raise AttributeError(name)
+
+def _from_v1(objects: Iterator[tuple[int, list]]) -> Iterator[tuple[int, list]]:
+    """A version-1 log's (offset, event array) pairs as version 2 writes them: an epoch bump's reason code mapped
+    by name (a code outside V1_EPOCH_REASONS is left for verify to report)."""
+    for start, obj in objects:
+        if obj[0] == EPOCH_BUMP and 0 <= obj[_REASON_AT] < len(_V1_REASON):
+            obj[_REASON_AT] = _V1_REASON[obj[_REASON_AT]]
+        yield start, obj
 
 
 class TraceFile:
-    """One log: `header`, `footer` (None if cut short), `cut` (None if clean; set once `events()` or
-    `objects()` has read to the end), `events()`, `event_at(offset)`."""
+    """One log: `header`, `version` (its schema version, 1 or 2: every event is served as version 2),
+    `footer` (a Footer record, None if cut short), `cut` (None if clean; set once `events()` or `objects()`
+    has read to the end), `events()`, `event_at(offset)`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -131,6 +155,7 @@ class TraceFile:
         except OSError as e:
             raise TraceError(f"cannot read {path}: {e.strerror or e}.") from None
         self.header, self.body_offset = self._read_header()
+        self.version: int = self.header["schema_version"]
         self.footer_offset, self.footer = self._read_footer()
         self.cut: Cut | None = None
 
@@ -163,14 +188,14 @@ class TraceFile:
         version = header.get("schema_version")
         if version is not None and type(version) is not int:  # True and 1.0 equal 1, but are no version
             raise TraceError(f"{self.path} has a damaged header: schema_version is {_a(version)}, not an int.")
-        if version != SCHEMA_VERSION:
-            raise TraceError(f"{self.path} has schema version {version!r}; this mdi-trace reads version "
-                             f"{SCHEMA_VERSION}, so open it with the mdi-trace that wrote it.")
+        if version not in READ_VERSIONS:
+            raise TraceError(f"{self.path} has schema version {version!r}; this mdi-trace reads versions "
+                             f"{' and '.join(map(str, READ_VERSIONS))}, so open it with the mdi-trace that wrote it.")
         _check_header(header, self.path)
         return header, u.tell()
 
-    def _read_footer(self) -> tuple[int | None, list | None]:
-        """(offset, fields) of the footer the trailer points at: a footer event ending exactly at the
+    def _read_footer(self) -> tuple[int | None, Event | None]:
+        """(offset, record) of the footer the trailer points at: a footer event ending exactly at the
         trailer. (None, None) for a log without a clean end."""
         end = len(self.data) - TRAILER_SIZE
         if end < self.body_offset or self.data[end] != TRAILER_TAG:
@@ -188,7 +213,7 @@ class TraceFile:
                 or footer[0] != FOOTER or len(footer) != len(EVENTS[FOOTER][1]) + 1:
             return None, None
         _check_event(footer, self.path, offset)  # a footer in its place with a field of the wrong type
-        return offset, footer[1:]
+        return offset, record(footer, offset)
 
     @property
     def clean(self) -> bool:
@@ -197,10 +222,14 @@ class TraceFile:
     def objects(self, offset: int | None = None) -> Iterator[tuple[int, list]]:
         """(byte offset, event array `[kind, *fields]`) of every complete event from `offset` (default:
         the first), each checked for a known kind, its field count and the top-level type of each field
-        (tracing/schema.py EVENT_TYPES), through one streaming unpacker (the index's fast path). Stops
-        before the footer. At the end sets `cut` if the log has no clean end; raises TraceError on a
-        malformed event, and on an object that claims more than `LIMITS` allow, even one the file ends
-        inside (an object merely cut by the end of the file is the cut)."""
+        (tracing/schema.py EVENT_TYPES), through one streaming unpacker (the index's fast path), laid out as
+        version 2 (a version-1 log converted). Stops before the footer. At the end sets `cut` if the log has
+        no clean end; raises TraceError on a malformed event, and on an object that claims more than `LIMITS`
+        allow, even one the file ends inside (an object merely cut by the end of the file is the cut)."""
+        objects = self._objects(offset)
+        return _from_v1(objects) if self.version == 1 else objects
+
+    def _objects(self, offset: int | None) -> Iterator[tuple[int, list]]:
         base = start = fed = self.body_offset if offset is None else offset
         end = self.footer_offset if self.clean else len(self.data)
         u, count, checks = _unpacker(), 0, _CHECKS
@@ -250,9 +279,11 @@ class TraceFile:
         return end
 
     def events(self, offset: int | None = None) -> Iterator[Event]:
-        """Every complete event from `offset` (default: the first), in order, as `Event`s; see `objects`."""
+        """Every complete event from `offset` (default: the first), in order, as typed records (`record`);
+        see `objects`."""
+        path = self.path
         for start, obj in self.objects(offset):
-            yield Event(start, EVENTS[obj[0]][0], obj[1:])
+            yield record(obj, start, path)
 
     def event_at(self, offset: int) -> Event:
         """The one event that starts at byte `offset` (an offset from `events()` or the footer's step
@@ -274,8 +305,10 @@ class TraceFile:
                 fed, window = self._feed(u, fed, min(fed + window, end), offset), min(window * 2, CHUNK)
             except Exception as e:
                 raise TraceError(f"{self.path} is damaged at byte {offset} ({_why(e)}).") from None
-        kind = _check_event(obj, self.path, offset)
-        return Event(offset, EVENTS[kind][0], obj[1:])
+        _check_event(obj, self.path, offset)
+        if self.version == 1:
+            obj = next(_from_v1(iter([(offset, obj)])))[1]
+        return record(obj, offset, self.path)
 
 
 def _unpacker() -> msgpack.Unpacker:

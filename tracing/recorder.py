@@ -122,11 +122,11 @@ class Recorder:
     def block_free(self, seq_id, block_ids):
         self._emit("block_free", self._now(), seq_id, list(block_ids))
 
-    def slot_alloc(self, seq_id, slot):
-        self._emit("slot_alloc", self._now(), seq_id, slot)
+    def slot_alloc(self, seq_id, state_slot):
+        self._emit("slot_alloc", self._now(), seq_id, state_slot)
 
-    def slot_free(self, seq_id, slot):
-        self._emit("slot_free", self._now(), seq_id, slot)
+    def slot_free(self, seq_id, state_slot):
+        self._emit("slot_free", self._now(), seq_id, state_slot)
 
     def preempt(self, step, seq_id):
         self._emit("preempt", self._now(), step, seq_id)

@@ -6,8 +6,8 @@ the engine's step contract (engine/llm_engine.py) applied them:
 
 - `request_added`: a new Sequence with the recorded prompt, sampling params and seed (`Scheduler.add`);
 - `cancel`: `Scheduler.abort`, at the start of the step, before its schedule;
-- `schedule`: `Scheduler.schedule()`, whose batch is compared with the recorded one field by field (kind,
-  every row's ROW_FIELDS, preempted);
+- `schedule`: `Scheduler.schedule()`, whose batch is compared with the recorded one field by field (batch
+  kind, every row's ROW_FIELDS, preempted);
 - `token` ... `step_digest`: the recorded token ids of one step are collected, and at that step's digest
   (written right after the engine processed it: under ZOS one step late) `Scheduler.process(batch, tokens)`
   runs and the resource tables of the unfinished sequences are compared with the recorded digest.
@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from engine import scheduler, sequence
 from model.config import BLOCK_SIZE
 
-from tracing.reader import Cut, Event, TraceError, TraceFile
-from tracing.schema import BATCH_KINDS, ROW_FIELDS
+from tracing.reader import Cut, TraceError, TraceFile
+from tracing.schema import BATCH_KINDS, ROW_FIELDS, Event
 
 
 @dataclass(slots=True)
 class Mismatch:
     """The first place where the replayed scheduler and the log disagree."""
     step: int
-    seq_id: int | None       # the request, None for a step-wide field (kind, rows, preempted, digest)
+    seq_id: int | None       # the request, None for a step-wide field (batch_kind, rows, preempted, digest)
     field: str
     expected: object         # what the log recorded
     got: object              # what the replayed scheduler did
@@ -69,7 +69,7 @@ def replay_scheduler(trace: TraceFile) -> ReplayResult:
         if handler is not None:
             r.event = event
             try:
-                handler(*event.fields)
+                handler(event)
             except (TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError) as e:
                 r.differ(None, event.kind, "an event the scheduler can take", f"{type(e).__name__}: {e}")
         if r.result.mismatch is not None:
@@ -112,25 +112,28 @@ class _Replay:
             self.result.mismatch = Mismatch(step, seq_id, name, expected, got, self.event.offset)
 
     # ---- the recorded inputs ------------------------------------------------------------------------
-    def on_request_added(self, t, s, prompt_token_ids, temperature, seed, max_tokens, ignore_eos, stop_token_ids):
-        params = self.SamplingParams(temperature, seed, max_tokens, ignore_eos, tuple(stop_token_ids))
-        self.scheduler.add(self.Sequence(s, list(prompt_token_ids), params, seed))
+    def on_request_added(self, e) -> None:
+        params = self.SamplingParams(e.temperature, e.seed, e.max_tokens, e.ignore_eos, tuple(e.stop_token_ids))
+        self.scheduler.add(self.Sequence(e.seq_id, list(e.prompt_token_ids), params, e.seed))
 
-    def on_cancel(self, t, step, s) -> None:
+    def on_cancel(self, e) -> None:
+        step, s = e.step, e.seq_id
         if step != self.scheduler.step:
             return self.differ(s, "cancel step", step, self.scheduler.step, step)
         if self.scheduler.abort(s) is None:  # the engine writes a cancel only for a live request
             return self.differ(s, "cancel", "a live request", "no unfinished request", step)
         self.result.cancellations += 1
 
-    def on_token(self, t, step, s, epoch, position, token_id, appended) -> None:
+    def on_token(self, e) -> None:
+        step, s, token_id = e.step, e.seq_id, e.token_id
         batch = self.batches.get(step)
         if batch is None or not any(r.seq_id == s and r.sample for r in batch.rows):
             return self.differ(s, "token", f"a sampled row of step {step}", "none", step)
         self.tokens.setdefault(step, {})[s] = token_id
 
-    def on_step_digest(self, step, digest) -> None:
+    def on_step_digest(self, e) -> None:
         """The engine processed `step` just before writing its digest: process it here too, then compare."""
+        step, digest = e.step, e.digest
         batch = self.batches.pop(step, None)
         if batch is None:
             return self.differ(None, "step_digest", f"step {step} scheduled and not yet processed", "none", step)
@@ -143,22 +146,23 @@ class _Replay:
         self.result.digests += 1
 
     # ---- the decision compared ---------------------------------------------------------------------------
-    def on_schedule(self, t, step, kind, rows, preempted) -> None:
+    def on_schedule(self, e) -> None:
+        step, kind, rows, preempted = e.step, BATCH_KINDS[e.batch_kind], e.rows, e.preempted
         batch = self.scheduler.schedule()
         if batch is None:
-            return self.differ(None, "batch", f"a {BATCH_KINDS[kind]} batch", "none (nothing to schedule)", step)
+            return self.differ(None, "batch", f"a {kind} batch", "none (nothing to schedule)", step)
         if batch.step != step:
             return self.differ(None, "step", step, batch.step, step)
-        if batch.batch_kind != BATCH_KINDS[kind]:
-            return self.differ(None, "kind", BATCH_KINDS[kind], batch.batch_kind, step)
-        want, got = [row[0] for row in rows], [row.seq_id for row in batch.rows]
+        if batch.batch_kind != kind:
+            return self.differ(None, "batch_kind", kind, batch.batch_kind, step)
+        want, got = [row.seq_id for row in rows], [row.seq_id for row in batch.rows]
         if want != got:
             odd = [s for s in want if s not in got] + [s for s in got if s not in want]  # missing, then extra
             s = odd[0] if odd else next(a for a, b in zip(want, got) if a != b)
             return self.differ(s, "rows (requests)", want, got, step)
         for recorded, row in zip(rows, batch.rows):
-            for name, value in zip(ROW_FIELDS, recorded):
-                mine = getattr(row, name)
+            for name in ROW_FIELDS:
+                mine, value = getattr(row, name), getattr(recorded, name)
                 if (list(mine) if isinstance(mine, list) else mine) != value:
                     return self.differ(row.seq_id, name, value, mine, step)
         if list(batch.preempted) != list(preempted):

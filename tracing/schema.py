@@ -1,27 +1,35 @@
-"""The mdi-trace event schema (ARCHITECTURE.md §5), version 1: one source of truth for the recorder,
+"""The mdi-trace event schema (ARCHITECTURE.md §5), version 2: one source of truth for the recorder,
 the reader, verify, the exporters and tracing/SCHEMA.md (a test checks that the document and this
 module agree).
 
 A log is a msgpack stream: a header map, then events, each a positional array `[kind, *fields]`
 (positional, not string-keyed, so hot events stay small), then a footer event. Times are nanoseconds
 since the header's `t0_ns` (time.perf_counter_ns of the recording process).
+
+Readers never index an event by position: the reader yields one typed record per event, a NamedTuple made
+here from EVENTS (`RECORDS`, `Schedule`, `Token`, ...), whose fields are the schema's names, plus the byte
+`offset` the event starts at; a schedule event's rows are `Row`s. Version-1 logs are read too, converted to
+version 2 as they are read (`V1_RENAMED`, `V1_EPOCH_REASONS`).
 """
 from __future__ import annotations
 
+from collections import namedtuple
+
 MAGIC = "mdi-trace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READ_VERSIONS = (1, 2)   # the versions the reader reads: version 1 converted (below)
 
 # kind code -> (name, field names). The field order is the array order after the kind code.
 EVENTS: dict[int, tuple[str, tuple[str, ...]]] = {
     0: ("request_added", ("t", "seq_id", "prompt_token_ids", "temperature", "seed", "max_tokens", "ignore_eos",
                           "stop_token_ids")),
-    1: ("schedule", ("t", "step", "kind", "rows", "preempted")),
+    1: ("schedule", ("t", "step", "batch_kind", "rows", "preempted")),
     2: ("reservation", ("t", "step", "seq_id", "epoch", "output_position")),
     3: ("epoch_bump", ("t", "seq_id", "epoch", "reason")),
     4: ("block_alloc", ("t", "seq_id", "block_ids")),
     5: ("block_free", ("t", "seq_id", "block_ids")),
-    6: ("slot_alloc", ("t", "seq_id", "slot")),
-    7: ("slot_free", ("t", "seq_id", "slot")),
+    6: ("slot_alloc", ("t", "seq_id", "state_slot")),
+    7: ("slot_free", ("t", "seq_id", "state_slot")),
     8: ("preempt", ("t", "step", "seq_id")),
     9: ("cancel", ("t", "step", "seq_id")),
     10: ("token", ("t", "step", "seq_id", "epoch", "position", "token_id", "appended")),
@@ -38,8 +46,16 @@ ROW_FIELDS = ("seq_id", "epoch", "start", "token_ids", "block_table", "state_slo
               "temperature", "output_position")
 BATCH_KINDS = ("prefill", "decode")
 PHASES = ("schedule", "execute", "process")
-EPOCH_REASONS = ("preempt", "cancel")
-FINISH_REASONS = ("stop", "length", "abort")
+EPOCH_REASONS = ("preempt", "cancel")   # what bumped the epoch: a preemption, or a cancellation (engine.abort)
+FINISH_REASONS = ("stop", "length", "abort")  # a cancelled request finishes with "abort"
+
+# Version 1 differs from version 2 in names only: the same kinds, codes, field order and types. Its names that
+# changed (event kind -> {version-1 field: version-2 field}) and its epoch reasons, which the reader maps by name
+# (a version-1 reason "abort" is version 2's "cancel") as it reads a version-1 log.
+V1_RENAMED = {"schedule": {"kind": "batch_kind"}, "slot_alloc": {"slot": "state_slot"},
+              "slot_free": {"slot": "state_slot"}}
+V1_EPOCH_REASONS = ("preempt", "abort")
+V1_REASON_RENAMED = {"abort": "cancel"}
 
 # The type of every field, written as SCHEMA.md writes it: int, float, bool, str, nil, map (str keys), list[...],
 # map[...], and "A or B" for either. An int is never a bool (msgpack keeps them apart). The reader checks the
@@ -86,6 +102,32 @@ PLATFORM_TYPES: dict[str, str] = {
     "device_type": "str", "cpu_model": "str", "cpu_isa": "str", "onednn_isa": "str", "cpu_capability": "str",
     "isa_overrides": "map[str, str]", "torch": "str", "triton": "str or nil", "intra_op_threads": "int",
     "gpu_name": "str", "gpu_capability": "str", "cuda": "str or nil"}
+
+
+
+# ---- the typed records: one NamedTuple per event kind, made from EVENTS (not written out by hand) ----------
+class Event:
+    """What every record is besides a NamedTuple of its kind's fields: `kind` (its name), `code` and `names`
+    (the schema's field names, in order) on the class; `offset`, the byte offset of the event in its log
+    (None for a record made by hand), the last item."""
+    __slots__ = ()
+    kind: str
+    code: int
+    names: tuple[str, ...]
+
+
+def _record(code: int, name: str, fields: tuple[str, ...]) -> type:
+    assert not {"kind", "code", "names", "offset"} & set(fields), f"{name}: a field name the record class uses"
+    base = namedtuple("".join(w.capitalize() for w in name.split("_")), (*fields, "offset"), defaults=(None,))
+    return type(base.__name__, (base, Event), {"__slots__": (), "kind": name, "code": code, "names": fields,
+                                               "__doc__": f"A {name} event: {', '.join(fields)}, offset."})
+
+
+RECORDS: dict[int, type] = {code: _record(code, name, fields) for code, (name, fields) in EVENTS.items()}
+RECORD = {cls.kind: cls for cls in RECORDS.values()}       # by kind name
+Row = namedtuple("Row", ROW_FIELDS)                        # a schedule event's row
+(RequestAdded, Schedule, Reservation, EpochBump, BlockAlloc, BlockFree, SlotAlloc, SlotFree, Preempt, Cancel, Token,
+ Finish, CpuSpan, DeviceSpan, StepDigest, Footer) = (RECORDS[code] for code in sorted(RECORDS))
 
 # The last 9 bytes of a cleanly closed log are a msgpack uint64 (0xcf + 8 big-endian bytes): the byte offset
 # of the footer event. A log without them was cut short (a crash, or a run still going) and is indexed by a scan.

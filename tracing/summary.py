@@ -1,15 +1,25 @@
-"""A trace's numbers at a glance: what `mdi-trace info` and `mdi-trace record` print (ARCHITECTURE.md §5).
+"""A trace's numbers at a glance: what `mdi-trace info` and `mdi-trace record` print, and the numbers of the
+viewer's Overview (ARCHITECTURE.md §5, §7). One summary, computed in one place: the index's scan
+(tracing/index.py) feeds each chunk of events it decodes to `Summary.add_*`, as numpy columns, so the viewer
+gets it with its index (`TraceIndex.summary`) and `summarize(trace)` runs the same scan keeping nothing but
+the summary (bounded memory, however long the log). No torch, no engine/.
 
-One pass over `TraceFile.events()`, pure Python (no torch, no engine/). Times in a log are nanoseconds
-since the header's `t0_ns`; the run's duration is from its first event to its last.
+Times in a log are nanoseconds since the header's `t0_ns`; the run's duration is from its first event (a
+span's start) to its last (a span's end); a step_digest has no time.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tracing.reader import TraceError, TraceFile
-from tracing.schema import BATCH_KINDS, FINISH_REASONS
+import numpy as np
+
+from tracing.schema import BATCH_KINDS, EVENTS, FINISH_REASONS, KIND, PHASES
+
+_COUNTED = {name: KIND[name] for name in ("request_added", "preempt", "cancel", "epoch_bump", "token")}
+_UNTIMED = KIND["step_digest"]
+_SPANS = (KIND["cpu_span"], KIND["device_span"])
+DEVICE_LANE = len(PHASES)   # a span's lane: 0-2 the CPU PHASES, then the device
 
 
 @dataclass(slots=True)
@@ -22,6 +32,7 @@ class Summary:
     steps: Counter = field(default_factory=Counter)            # batch kind -> steps
     preemptions: int = 0
     cancellations: int = 0
+    epoch_bumps: int = 0
     finish_reasons: Counter = field(default_factory=Counter)   # "stop" / "length" / "abort" -> requests
     first_ns: int | None = None
     last_ns: int = 0
@@ -33,8 +44,16 @@ class Summary:
         return sum(self.steps.values())
 
     @property
+    def sampled_tokens(self) -> int:
+        return self.output_tokens + self.stale_tokens
+
+    @property
+    def duration_ns(self) -> int:
+        return 0 if self.first_ns is None else self.last_ns - self.first_ns
+
+    @property
     def duration_s(self) -> float:
-        return 0.0 if self.first_ns is None else (self.last_ns - self.first_ns) / 1e9
+        return self.duration_ns / 1e9
 
     def per_second(self, n: int) -> float:
         return n / self.duration_s if self.duration_s > 0 else 0.0
@@ -45,64 +64,49 @@ class Summary:
         span = self.last_ns - (self.first_ns or 0)
         return self.device_busy_ns / span if span > 0 else 0.0
 
+    # ---- fed by the index's scan, one chunk of events at a time ------------------------------------------
+    def add_events(self, kind: np.ndarray, t: np.ndarray, appended: np.ndarray) -> None:
+        """A chunk's event kinds, times (an event's `t`, a span's start) and token `appended` flags."""
+        count = np.bincount(kind, minlength=len(EVENTS))
+        self.events += len(kind)
+        self.requests += int(count[_COUNTED["request_added"]])
+        self.preemptions += int(count[_COUNTED["preempt"]])
+        self.cancellations += int(count[_COUNTED["cancel"]])
+        self.epoch_bumps += int(count[_COUNTED["epoch_bump"]])
+        out = int(np.count_nonzero(appended))
+        self.output_tokens += out
+        self.stale_tokens += int(count[_COUNTED["token"]]) - out
+        timed = kind != _UNTIMED
+        if timed.any():
+            first = int(t[timed].min())
+            self.first_ns = first if self.first_ns is None else min(self.first_ns, first)
+        points = timed & ~np.isin(kind, _SPANS)   # a span's last time is its end (add_spans)
+        if points.any():
+            self.last_ns = max(self.last_ns, int(t[points].max()))
 
-def summarize(trace: TraceFile) -> Summary:
-    """Reads every event of `trace` (setting `trace.cut` if it was cut short)."""
-    s = Summary()
-    for e in trace.events():
-        s.events += 1
-        try:
-            _see_times(s, e.kind, e.fields)
-            if e.kind in _HANDLERS:
-                _HANDLERS[e.kind](s, e.fields)
-        except (IndexError, KeyError, TypeError, ValueError):
-            raise TraceError(f"{trace.path} is damaged at byte {e.offset}: a malformed {e.kind} event.") from None
-    return s
+    def add_spans(self, lane: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+        """A chunk's CPU and device spans (every one, in log order)."""
+        if len(end):
+            self.last_ns = max(self.last_ns, int(end.max()))
+            device = lane == DEVICE_LANE
+            self.device_busy_ns += int((end[device] - start[device]).sum())
 
+    def add_steps(self, batch_kind: np.ndarray, tokens: np.ndarray) -> None:
+        """A chunk's schedule events: their batch kinds (BATCH_KINDS codes) and scheduled tokens."""
+        for code, n in Counter(batch_kind.tolist()).items():
+            self.steps[BATCH_KINDS[code] if 0 <= code < len(BATCH_KINDS) else f"unknown kind {code}"] += n
+        self.computed_tokens += int(tokens.sum())
 
-def _see_times(s: Summary, kind: str, f: list) -> None:
-    if kind in ("cpu_span", "device_span"):
-        start, end = f[-2], f[-1]
-    elif kind == "step_digest":
-        return
-    else:
-        start = end = f[0]  # every other event starts with its time "t"
-    s.first_ns = start if s.first_ns is None else min(s.first_ns, start)
-    s.last_ns = max(s.last_ns, end)
+    def add_request(self, prompt_len: int) -> None:
+        self.prompt_tokens += prompt_len
 
-
-def _request_added(s: Summary, f: list) -> None:
-    s.requests += 1
-    s.prompt_tokens += len(f[2])
-
-
-def _schedule(s: Summary, f: list) -> None:
-    s.steps[BATCH_KINDS[f[2]]] += 1
-    s.computed_tokens += sum(len(row[3]) for row in f[3])  # ROW_FIELDS: token_ids is the 4th
-
-
-def _token(s: Summary, f: list) -> None:
-    if f[6]:
-        s.output_tokens += 1
-    else:
-        s.stale_tokens += 1
+    def add_finish(self, reason: int) -> None:
+        self.finish_reasons[FINISH_REASONS[reason]] += 1
 
 
-def _preempt(s: Summary, f: list) -> None:
-    s.preemptions += 1
+def summarize(trace) -> Summary:
+    """The summary of `trace` (a TraceFile), in one scan that keeps nothing else; sets `trace.cut` if the log
+    was cut short, raises the index's TraceError for a damaged one."""
+    from tracing.index import scan_summary
 
-
-def _cancel(s: Summary, f: list) -> None:
-    s.cancellations += 1
-
-
-def _finish(s: Summary, f: list) -> None:
-    s.finish_reasons[FINISH_REASONS[f[3]]] += 1
-
-
-def _device_span(s: Summary, f: list) -> None:
-    s.device_busy_ns += f[2] - f[1]
-
-
-_HANDLERS = {"request_added": _request_added, "schedule": _schedule, "token": _token, "preempt": _preempt,
-             "cancel": _cancel, "finish": _finish, "device_span": _device_span}
+    return scan_summary(trace)

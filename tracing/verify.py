@@ -1,7 +1,9 @@
 """`verify`: prove promise 2 and the step contract (ARCHITECTURE.md §2-§3) from a recorded log alone.
 
-No DeepInfer file does this; it is the trace-side twin of the `Ledger` in tests/test_engine_lifetimes.py,
-which checks the same rules on live MemoryTracer events. Imports neither torch nor engine/.
+No DeepInfer file does this; the engine's own tests (tests/test_engine_lifetimes.py) run their random
+workloads through this checker too, step by step (`Verifier`). Imports no torch, and of engine/ only
+engine/scheduler.py's `tables_digest` (the digest of the resource tables the engine writes, so that the two
+cannot drift apart; engine/scheduler.py imports no torch either).
 
     from tracing.reader import open_trace
     from tracing.verify import verify
@@ -15,26 +17,35 @@ that state:
 
 1. a KV block or state slot has one owner at a time, and only its owner frees it;
 2. preemption, finish and cancellation release blocks and slot together: after a `preempt` or `finish` the
-   request owns nothing, frees happen only inside one of them, and a `cancel` is followed by exactly its
-   epoch bump, block and slot frees and `finish(abort)` (the order of `Scheduler.abort`);
-3. an epoch only grows, by 1, right after the `preempt` or `cancel` that gives its reason;
-4. a token appended (`appended=True`) answers a reservation, carries the request's current epoch, belongs to
-   a live request and lands at position == its current length; a token of the current epoch is never
-   discarded;
+   request owns nothing, frees happen only inside one of them, a slot is freed right after its request's
+   blocks, and a `cancel` is followed by exactly its epoch bump, block and slot frees and `finish(abort)` (the
+   order of `Scheduler.abort`);
+3. an epoch only grows, by 1, right after the `preempt` or `cancel` that gives its reason (the epoch reason is
+   named as the event before it: `preempt` or `cancel`);
+4. a token (appended or not) answers a reservation, at the position its row ends; a token appended
+   (`appended=True`) carries the request's current epoch, belongs to a live request, lands at position == its
+   current length (so results come back in step order) and is in the model's vocabulary (the header's
+   `model.vocab_size`, when it has one); a token of the current epoch is never discarded;
 5. rows are legal: a decode row starts at get_len() - 1 (tokens + reservations in flight of the current epoch,
    minus 1) with that many positions computed, and its input token is None exactly when a token is in flight;
    a prefill chunk continues where the last one stopped and feeds the request's own tokens; every row carries
    the current epoch, the owned block table and slot, and samples exactly when it reaches get_len(); and every
    row, sampled or not, carries its request's seed and temperature (from `request_added`) and output_position
-   get_len() - prompt length, the output tokens appended or in flight (`Scheduler._reserve`);
+   get_len() - prompt length, the output tokens appended or in flight (`Scheduler._reserve`), below the
+   request's max_tokens when the row samples; a row has at least one token and its block table exactly the
+   blocks its positions need (ceil(end / block_size)); a step has rows or preemptions, and only a decode step
+   preempts;
 6. a clean log (with a footer) ends with every resource free, every request finished, every reservation
    answered, and a footer that counts the events it follows;
 7. each `step_digest` equals the digest of the rebuilt tables (`LLMEngine.digest`);
-8. prefill admits FCFS: a prefill step's rows are the first requests of the waiting queue, in its order, and
+8. a finish is legal: `abort` exactly after a cancellation, `length` with max_tokens output tokens appended,
+   `stop` with at least one, the last a stop token (or EOS, the header's `engine.eos_token_id`, unless the
+   request ignores it), and never more than max_tokens;
+9. prefill admits FCFS: a prefill step's rows are the first requests of the waiting queue, in its order, and
    a decode step's rows are running requests. The queue is rebuilt as `Scheduler` keeps it: `request_added`
    appends; a prompt stays in it, at its place, while partly prefilled (also when preempted in place) and
    leaves it with its last chunk; a running request preempted goes to its head; a finish removes it;
-9. time runs forward: the host's readings (every event's `t`, and a CPU span's end, read just before the span
+10. time runs forward: the host's readings (every event's `t`, and a CPU span's end, read just before the span
    is written) never decrease in log order; a span ends at or after it starts; the CPU spans (one host
    thread, one phase at a time) and the device spans (one device, steps in FIFO order) each follow one
    another without overlap, the device's in step order. A CPU span is written after later events (the
@@ -51,6 +62,10 @@ indexed by id, sized by the pool (a dict of the held ones when the header names 
 request's block table grows past the pool only by legal allocations; and the lists a message shows are cut
 to their first SHOWN entries.
 
+`verify` reads a log; `Verifier` is the same checker fed one record at a time (`feed`), for a run still
+going: its `reqs` hold what the log says the engine holds per request, and `drained()` checks what an idle
+engine must hold (nothing).
+
 A run of several ranks (tracing/ranks.py) is checked by `verify_run`: every rank's log as above (each rank
 runs its own scheduler, so each proves its own promises), plus what ties the ranks together: request ids
 partitioned by rank (rank r of N holds ids r mod N, so no request is on two ranks) and one configuration
@@ -63,17 +78,15 @@ processed step). A damaged file raises the reader's TraceError.
 """
 from __future__ import annotations
 
-from collections import Counter, namedtuple
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.step import tables_digest
-from tracing.reader import Event, TraceFile
-from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, PHASES, ROW_FIELDS
+from tracing.reader import TraceFile
+from tracing.schema import BATCH_KINDS, EPOCH_REASONS, FINISH_REASONS, PHASES, Event, Row
 
-Row = namedtuple("Row", ROW_FIELDS)
 SHARED_HEADER = ("checkpoint_digest", "model", "model_source", "dtype", "engine", "seed", "torch", "intra_op_threads")
 RELEASE_EVENTS = ("epoch_bump", "block_free", "slot_free", "finish")  # what may follow a cancel (Scheduler.abort)
-BUMP_REASON = {"preempt": "preempt", "cancel": "cancel"}             # the event before an epoch bump -> its reason
 NO_TIME = float("-inf")                                              # before the first clock reading
 MAX_FINDINGS = 100        # violations kept (in log order); the rest are counted in Findings.total
 SHOWN = 32                # entries of a list (block ids, steps, requests) that a message shows
@@ -187,11 +200,15 @@ class _Request:
     prompt_len: int
     seed: int
     temperature: float
+    max_tokens: int
+    ignore_eos: bool
+    stop_token_ids: list[int]
     epoch: int = 0
     blocks: list[int] = field(default_factory=list)
     slot: int | None = None
     cached: int = 0                   # positions computed since the last preemption: num_cached_tokens
     reserved: dict[int, int] = field(default_factory=dict)  # step -> epoch of a reservation not answered yet
+    ends: dict[int, int] = field(default_factory=dict)      # step -> where its sampled row ends, not answered yet
     finish: str | None = None
 
     def inflight(self, before_step: int) -> int:
@@ -205,7 +222,7 @@ class _Request:
 def verify(trace: TraceFile) -> Findings:
     """The findings in the log, in event order (ARCHITECTURE.md §2 promise 2, §3 the step contract): the first
     MAX_FINDINGS violations kept, every one counted in `.total`."""
-    v = _Verifier(trace.header)
+    v = Verifier(trace.header)
     for event in trace.events():
         v.feed(event)
     v.end(trace)
@@ -229,10 +246,13 @@ def verify_run(run) -> Findings:
 
 
 def _seq_field(event: Event) -> int | None:
-    return event.seq_id if "seq_id" in EVENTS[KIND[event.kind]][1] else None
+    return event.seq_id if "seq_id" in event.names else None
 
 
-class _Verifier:
+class Verifier:
+    """The checker, one record at a time: `feed(record)` for each event in log order, then `end(trace)` for a
+    whole log (or `drained()` where the engine is idle). `findings` collects what it found so far."""
+
     def __init__(self, header: dict):
         engine = header.get("engine") or {}
         self.num_blocks, self.num_slots = engine.get("num_kv_blocks"), engine.get("num_state_slots")
@@ -240,6 +260,11 @@ class _Verifier:
         self.reqs: dict[int, _Request] = {}
         self.block_owner, self.slot_owner = _Pool(self.num_blocks), _Pool(self.num_slots)
         self.num_blocks, self.num_slots = self.block_owner.size, self.slot_owner.size  # None unless a sane int
+        block_size, model = engine.get("block_size"), header.get("model") or {}
+        self.block_size = block_size if type(block_size) is int and block_size >= 1 else None
+        vocab = model.get("vocab_size") if isinstance(model, dict) else None
+        self.vocab_size = vocab if type(vocab) is int and vocab >= 1 else None
+        self.eos = engine.get("eos_token_id")
         self.step = 0                          # the step being scheduled: schedule events so far
         self.preempted: list[int] = []         # preemptions since the last schedule event
         self.reservations: dict[int, tuple[int, int]] = {}  # this step's: seq_id -> (epoch, output_position)
@@ -261,7 +286,7 @@ class _Verifier:
             self.findings.total += 1
             return None
         e = self.event  # None at the end of the log
-        step = None if e is None else e.step if "step" in EVENTS[KIND[e.kind]][1] else self.step
+        step = None if e is None else e.step if "step" in e.names else self.step
         return self.findings.add(Finding(step, seq_id, None if e is None else e.offset, message))
 
     def counted(self) -> bool:
@@ -276,11 +301,11 @@ class _Verifier:
         self.counts[event.kind] += 1
         try:
             self._check_order(event.kind, _seq_field(event))
-            if "t" in EVENTS[KIND[event.kind]][1]:
+            if "t" in event.names:
                 self._host_clock(event.t, f"a {event.kind} event written at t={event.t}")
             handler = getattr(self, "on_" + event.kind, None)
             if handler is not None:
-                handler(*event.fields)
+                handler(event)
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             self.fail(None, f"a malformed {event.kind} event ({type(e).__name__}: {str(e)[:200]})")
         self.prev = event
@@ -289,7 +314,7 @@ class _Verifier:
     def _check_order(self, kind: str, s: int | None) -> None:
         """`kind` (of request `s`) comes next: does it break a sequence that must not be interrupted?"""
         p = self.prev
-        if p is not None and p.kind in BUMP_REASON and not (kind == "epoch_bump" and s == p.seq_id):
+        if p is not None and p.kind in EPOCH_REASONS and not (kind == "epoch_bump" and s == p.seq_id):
             self.fail(p.seq_id, f"{p.kind} without an epoch bump right after it")
         if self.cancelling is not None and not (kind in RELEASE_EVENTS and s == self.cancelling):
             self.fail(self.cancelling, f"a {kind} event between its cancellation and its finish")
@@ -309,13 +334,15 @@ class _Verifier:
         return req
 
     # ---- requests and resources -----------------------------------------------------------------------
-    def on_request_added(self, t, s, prompt_token_ids, temperature, seed, *params) -> None:
+    def on_request_added(self, e) -> None:
+        s, prompt_token_ids = e.seq_id, e.prompt_token_ids
         if s in self.reqs:
             self.fail(s, "request added twice")
         if s % self.world_size != self.rank:
             self.fail(s, f"request {s} added on rank {self.rank} of {self.world_size}, whose request ids are "
                          f"{self.rank} mod {self.world_size}")
-        self.reqs[s] = _Request(list(prompt_token_ids), len(prompt_token_ids), seed, temperature)
+        self.reqs[s] = _Request(list(prompt_token_ids), len(prompt_token_ids), e.seed, e.temperature, e.max_tokens,
+                                e.ignore_eos, list(e.stop_token_ids))
         self.waiting.append(s)
 
     # A resource given to a second owner stays with the first in `block_owner`/`slot_owner` and enters the
@@ -323,7 +350,8 @@ class _Verifier:
     # finding for the event; it enters the request's table (so that its rows and its free agree) but no owner
     # list. A table grows past the pool's size only by free blocks, so ids allocated again and again (each one
     # counted) cost no memory.
-    def on_block_alloc(self, t, s, block_ids) -> None:
+    def on_block_alloc(self, e) -> None:
+        s, block_ids = e.seq_id, e.block_ids
         req = self.live(s)
         table = None if req is None else req.blocks
         pool = self.block_owner
@@ -352,7 +380,8 @@ class _Verifier:
         if outside > 1 and note is not None:
             note.message = f"blocks {_short(shown, total=outside)} allocated, outside the pool of {n}"
 
-    def on_slot_alloc(self, t, s, slot) -> None:
+    def on_slot_alloc(self, e) -> None:
+        s, slot = e.seq_id, e.state_slot
         req = self.live(s)
         pool = self.slot_owner
         if not pool.inside(slot):
@@ -366,7 +395,8 @@ class _Verifier:
                 self.fail(s, f"slot {slot} allocated while the request holds slot {req.slot}")
             req.slot = slot
 
-    def on_block_free(self, t, s, block_ids) -> None:
+    def on_block_free(self, e) -> None:
+        s, block_ids = e.seq_id, e.block_ids
         req = self.live(s)
         known = self.reqs.get(s)             # a finished request too: its (emptied) table is checked
         held = Counter(known.blocks) if known is not None else Counter()  # the table, as a multiset
@@ -387,7 +417,12 @@ class _Verifier:
             req.blocks = kept
         self.freeing = s
 
-    def on_slot_free(self, t, s, slot) -> None:
+    def on_slot_free(self, e) -> None:
+        s, slot = e.seq_id, e.state_slot
+        p = self.prev
+        if p is None or p.kind != "block_free" or p.seq_id != s:
+            self.fail(s, f"slot {slot} freed, not right after the request's blocks (blocks and slot are "
+                         f"released together)")
         req = self.live(s)
         known = self.reqs.get(s)
         self._give_back(self.slot_owner, "slot", slot, s, known is not None and known.slot == slot)
@@ -421,7 +456,8 @@ class _Verifier:
             req.blocks, req.slot = [], None
 
     # ---- preemption, cancellation, finish, epochs --------------------------------------------------
-    def on_preempt(self, t, step, s) -> None:
+    def on_preempt(self, e) -> None:
+        step, s = e.step, e.seq_id
         req = self.live(s)
         if step != self.step:
             self.fail(s, f"preempted at step {step} while step {self.step} is being scheduled")
@@ -433,29 +469,33 @@ class _Verifier:
         self.preempted.append(s)
         self.freeing = None
 
-    def on_cancel(self, t, step, s) -> None:
-        if self.live(s) is not None:
-            self.cancelling = s
+    def on_cancel(self, e) -> None:
+        if self.live(e.seq_id) is not None:
+            self.cancelling = e.seq_id
 
-    def on_epoch_bump(self, t, s, epoch, reason) -> None:
+    def on_epoch_bump(self, e) -> None:
+        s, epoch, reason = e.seq_id, e.epoch, e.reason
         req, p = self.live(s), self.prev
         if not 0 <= reason < len(EPOCH_REASONS):
             self.fail(s, f"epoch bump with an unknown reason {reason!r}")
-        elif p is None or p.kind not in BUMP_REASON or p.seq_id != s:
+        elif p is None or p.kind not in EPOCH_REASONS or p.seq_id != s:
             self.fail(s, f"epoch bump ({EPOCH_REASONS[reason]}) with no preemption or cancellation before it")
-        elif EPOCH_REASONS[reason] != BUMP_REASON[p.kind]:
+        elif EPOCH_REASONS[reason] != p.kind:
             self.fail(s, f"epoch bump with reason {EPOCH_REASONS[reason]} right after a {p.kind}")
         if req is not None:
             if epoch != req.epoch + 1:
                 self.fail(s, f"epoch goes from {req.epoch} to {epoch}; it only grows, by 1")
             req.epoch = epoch
 
-    def on_finish(self, t, step, s, reason) -> None:
+    def on_finish(self, e) -> None:
+        s, reason = e.seq_id, e.reason
         req = self.live(s)
         name = FINISH_REASONS[reason] if 0 <= reason < len(FINISH_REASONS) else f"unknown reason {reason!r}"
         if (name == "abort") != (self.cancelling == s):
             self.fail(s, f"finish ({name}) " + ("after a cancellation" if self.cancelling == s else
                                                 "without a cancellation before it"))
+        elif req is not None and (problem := self._finish_problem(req, name)) is not None:
+            self.fail(s, problem)
         if req is not None:
             self.owns_nothing(s, req, f"finish ({name})")
             req.finish = name
@@ -464,8 +504,23 @@ class _Verifier:
         self.cancelling = None if self.cancelling == s else self.cancelling
         self.freeing = None
 
+    def _finish_problem(self, req: _Request, name: str) -> str | None:
+        """Why a finish of this reason is wrong for what the request holds (`Scheduler.process`), or None."""
+        out = len(req.tokens) - req.prompt_len
+        if out > req.max_tokens:
+            return f"finish ({name}) with {out} output tokens, more than max_tokens {req.max_tokens}"
+        if name == "length" and out != req.max_tokens:
+            return f"finish (length) with {out} of max_tokens {req.max_tokens} output tokens"
+        if name == "stop":
+            last = req.tokens[-1] if out else None
+            stops = last is not None and (last in req.stop_token_ids or (not req.ignore_eos and last == self.eos))
+            if not stops:
+                return f"finish (stop) whose last output token {last} is no stop token"
+        return None
+
     # ---- scheduling: reservations and rows -----------------------------------------------------------
-    def on_reservation(self, t, step, s, epoch, output_position) -> None:
+    def on_reservation(self, e) -> None:
+        step, s, epoch, output_position = e.step, e.seq_id, e.epoch, e.output_position
         req = self.live(s)
         if step != self.step:
             self.fail(s, f"a reservation for step {step} while step {self.step} is being scheduled")
@@ -475,14 +530,19 @@ class _Verifier:
             req.reserved[step] = epoch
         self.reservations[s] = (epoch, output_position)
 
-    def on_schedule(self, t, step, kind, rows, preempted) -> None:
-        self.step_offsets.append([step, self.event.offset])
+    def on_schedule(self, e) -> None:
+        step, rows, preempted = e.step, e.rows, e.preempted
+        self.step_offsets.append([step, e.offset])
         if step != self.step:
             self.fail(None, f"step {step} scheduled where step {self.step} comes next")
         if sorted(preempted) != sorted(self.preempted):
             self.fail(None, f"the batch lists preempted requests {_short(sorted(preempted))}, the events "
                             f"preempted {_short(sorted(self.preempted))}")
-        kind, rows = BATCH_KINDS[kind], [Row(*r) for r in rows]
+        kind = BATCH_KINDS[e.batch_kind]
+        if not rows and not preempted:
+            self.fail(None, f"a {kind} step with no rows and no preemption")
+        if preempted and kind != "decode":
+            self.fail(None, f"a {kind} step that preempts {_short(sorted(preempted))}: only decode preempts")
         self.check_admission(kind, rows)
         seen: set[int] = set()
         for row in rows:
@@ -530,6 +590,8 @@ class _Verifier:
             self.fail(r.seq_id, problem)
         req.cached = r.start + len(r.token_ids) if kind == "prefill" or problem is None else \
             len(req.tokens) + inflight
+        if r.sample:
+            req.ends[self.step] = r.start + len(r.token_ids)
         if kind == "prefill" and req.cached >= len(req.tokens) and r.seq_id in self.waiting:
             self.waiting.remove(r.seq_id)
 
@@ -537,6 +599,8 @@ class _Verifier:
         """What is wrong with a row, the first thing found, or None (`Scheduler._reserve` makes rows)."""
         get_len, end = len(req.tokens) + inflight, r.start + len(r.token_ids)
         output_position = get_len - req.prompt_len  # the output tokens appended or in flight
+        if not r.token_ids:
+            return f"a {kind} row with no tokens"
         if r.epoch != req.epoch:
             return f"a {kind} row at epoch {r.epoch}, the request is at epoch {req.epoch}"
         if list(r.block_table) != req.blocks or r.state_slot != req.slot:
@@ -554,6 +618,11 @@ class _Verifier:
         if r.output_position != output_position:
             return (f"a {kind} row at output position {r.output_position}, the request has {output_position} "
                     f"output tokens ({len(req.tokens) - req.prompt_len} appended, {inflight} in flight)")
+        if self.block_size is not None and len(r.block_table) != -(-end // self.block_size):
+            return (f"a {kind} row ending at {end} with {len(r.block_table)} blocks, its positions need "
+                    f"{-(-end // self.block_size)} of {self.block_size}")
+        if r.sample and output_position >= req.max_tokens:
+            return f"a {kind} row samples output token {output_position}, max_tokens is {req.max_tokens}"
         if r.sample and self.reservations.get(r.seq_id) != (req.epoch, output_position):
             return (f"a sampled row whose reservation {self.reservations.get(r.seq_id)} is not (epoch "
                     f"{req.epoch}, output position {output_position})")
@@ -584,16 +653,19 @@ class _Verifier:
         return None
 
     # ---- processing: tokens and digests --------------------------------------------------------------
-    def on_token(self, t, step, s, epoch, position, token_id, appended) -> None:
+    def on_token(self, e) -> None:
+        step, s, epoch, position, token_id, appended = e.step, e.seq_id, e.epoch, e.position, e.token_id, e.appended
         req = self.reqs.get(s)
         if req is None:
             self.fail(s, "a token for a request that was never added")
             return
-        reserved = req.reserved.pop(step, None)
+        reserved, end = req.reserved.pop(step, None), req.ends.pop(step, None)
         if reserved is None:
             self.fail(s, f"a token for step {step} that no reservation asked for")
         elif reserved != epoch:
             self.fail(s, f"a token at epoch {epoch} answering a reservation at epoch {reserved}")
+        elif end is not None and position != end:
+            self.fail(s, f"a token at position {position}, its row of step {step} ends at {end}")
         if not appended:
             if req.finish is None and epoch == req.epoch:
                 self.fail(s, f"a token of the current epoch {epoch} discarded")
@@ -601,13 +673,17 @@ class _Verifier:
             self.fail(s, f"a token appended after the request finished ({req.finish})")
         elif position != len(req.tokens):
             self.fail(s, f"a token appended at position {position}, the request has {len(req.tokens)} tokens")
+        elif self.vocab_size is not None and not 0 <= token_id < self.vocab_size:
+            self.fail(s, f"a token {token_id} appended, outside the vocabulary of {self.vocab_size}")
         else:  # what the engine holds now, stale or not
             if epoch != req.epoch:
                 self.fail(s, f"a stale token appended: epoch {epoch}, the request is at epoch {req.epoch}")
             req.tokens.append(token_id)
 
-    def on_step_digest(self, step, digest) -> None:
+    def on_step_digest(self, e) -> None:
+        step, digest = e.step, e.digest
         for s, req in self.reqs.items():
+            req.ends.pop(step, None)
             if req.reserved.pop(step, None) is not None:
                 self.fail(s, f"step {step} processed without a token for this request's reservation")
         rebuilt = tables_digest((s, r.epoch, r.slot, r.blocks) for s, r in self.reqs.items() if r.finish is None)
@@ -629,15 +705,17 @@ class _Verifier:
         elif start < after:
             self.fail(None, f"a {lane} span starts at {start}, before the lane's previous span ends at {after}")
 
-    def on_cpu_span(self, step, phase, start, end) -> None:
+    def on_cpu_span(self, e) -> None:
         """The engine thread runs one phase at a time and writes each span when it ends (llm_engine.step)."""
+        phase, start, end = e.phase, e.start, e.end
         self._span(f"CPU {PHASES[phase]}", start, end, self.cpu_end)
         self._host_clock(end, f"a CPU {PHASES[phase]} span written ending at {end}")
         self.cpu_end = max(self.cpu_end, end)
 
-    def on_device_span(self, step, start, end) -> None:
+    def on_device_span(self, e) -> None:
         """One device (the CPU worker thread or one CUDA stream) runs the steps in FIFO order, and their
         results are processed in that order."""
+        step, start, end = e.step, e.start, e.end
         last_step, last_end = self.device_last
         if step <= last_step:
             self.fail(None, f"a device span of step {step} after one of step {last_step}: the device runs each step "
@@ -653,6 +731,12 @@ class _Verifier:
                                          "without the end-of-run checks", violation=False))
             return
         self._check_order("footer", None)
+        self.drained()
+        self._check_footer(trace.footer)
+
+    def drained(self) -> None:
+        """What a clean end requires, and an idle engine holds: every request finished, every reservation
+        answered by a token, every KV block and state slot free (a violation for each that is not)."""
         for s, req in sorted(self.reqs.items()):
             if req.finish is None:
                 self.fail(s, "the request never finished")
@@ -668,10 +752,9 @@ class _Verifier:
         for s, (names, count) in sorted(held.items()):
             more = f", ... ({count:,} in all)" if count > len(names) else ""
             self.fail(s, f"{', '.join(names)}{more} never freed")
-        self._check_footer(trace.footer)
 
-    def _check_footer(self, footer: list) -> None:
-        counts, num_steps, step_offsets = footer[0], footer[1], footer[2]
+    def _check_footer(self, footer) -> None:
+        counts, num_steps, step_offsets = footer.counts, footer.num_steps, footer.step_offsets
         if counts != dict(self.counts) or num_steps != len(self.step_offsets) or step_offsets != self.step_offsets:
             diff = {k: (counts.get(k, 0), self.counts[k]) for k in set(counts) | set(self.counts)
                     if counts.get(k, 0) != self.counts[k]}

@@ -440,7 +440,7 @@ class TraceApp(App):
         else:
             row = m.step_row(step) if len(m.steps) else 0
             row = max(min(len(m.steps) - 1, self.step_row) if row is None else row, 0)
-            seq = int(m.request_ids[0]) if len(m.request_ids) else 0
+            seq = int(m.seq_ids[0]) if len(m.seq_ids) else 0
             event = int(m.sched_event[row]) if len(m.steps) else 0
         self.set_reactive(TraceApp.step_row, row)
         self.set_reactive(TraceApp.seq_id, seq)
@@ -500,8 +500,8 @@ class TraceApp(App):
     def jump_request(self, text: str) -> None:
         def go():
             seq = parse_int(text, "request")
-            if seq not in self.model.request_ids:
-                ranks = [m.rank for m in self.logs.models if seq in m.request_ids]
+            if seq not in self.model.seq_ids:
+                ranks = [m.rank for m in self.logs.models if seq in m.seq_ids]
                 if not ranks:
                     raise ValueError(f"there is no request {seq} in this log.")
                 self.switch_rank(ranks[0])   # a run's requests are spread over its ranks

@@ -195,12 +195,13 @@ TRACE_HELP = "a log, one rank's log, or the OUT of `record --nproc N` (every ran
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    from tracing.schema import SCHEMA_VERSION
+    from tracing.schema import READ_VERSIONS, SCHEMA_VERSION
     try:
         v = version("mini-deepinfer")
     except PackageNotFoundError:  # run from a checkout that was never installed
         v = "unknown"
-    return f"mdi-trace {v} (mini-DeepInfer; writes and reads trace schema version {SCHEMA_VERSION})"
+    return (f"mdi-trace {v} (mini-DeepInfer; writes trace schema version {SCHEMA_VERSION}, reads versions "
+            f"{' and '.join(map(str, READ_VERSIONS))})")
 
 
 def _parser() -> argparse.ArgumentParser:

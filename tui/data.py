@@ -7,7 +7,8 @@ its columnar index (tracing/index.py) and what each view asks of them, as plain 
 
 Nothing here draws; the widgets (tui/views/) ask for the lines they show, so only visible rows are decoded,
 each once (an LRU cache per kind of line). Vocabulary as in tracing/SCHEMA.md: step, seq_id (a request),
-epoch, block_table, slot, num_tokens; a "row" is a row of `TraceIndex.steps` (one per step, in log order).
+epoch, block_table, state_slot, num_tokens, batch_kind; a "row" is a row of `TraceIndex.steps` (one per step, in
+log order), a "batch row" one of a schedule event's rows. Column headers abbreviate (seq, slot).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import numpy as np
 
 from tracing.index import BLOCK_EVENTS, SLOT_EVENTS, TraceIndex, check_budget
 from tracing.ranks import open_run
-from tracing.reader import Event, TraceError, TraceFile
-from tracing.schema import BATCH_KINDS, EVENTS, FINISH_REASONS, KIND, ROW_FIELDS
+from tracing.reader import TraceError, TraceFile
+from tracing.schema import BATCH_KINDS, EVENTS, FINISH_REASONS, KIND, Event
 from tui.format import EventFilter, describe, fmt_ns, plural, short_list
 from tui.lanes import Lanes
 
@@ -60,7 +61,7 @@ class TraceModel:
         self._step_sorted = np.argsort(ix.steps.step, kind="stable")
         self._steps_in_order = ix.steps.step[self._step_sorted]
         seqs = np.concatenate([ix.seq_id[ix.seq_id >= 0], ix._row_seq])
-        self.request_ids = np.unique(seqs).astype(np.int64)
+        self.seq_ids = np.unique(seqs).astype(np.int64)   # every request of the log, ascending
         self.prompt_len = self._per_seq(ix, "request_added", lambda e: len(e.prompt_token_ids))
         self.appended = ix.appended                        # per event: a token event that was appended
         self.request_tokens = self._per_request(ix, self.appended)   # output tokens appended (stale ones not)
@@ -110,7 +111,8 @@ class TraceModel:
         s = self.steps
         dur = s.process_end[r] - s.schedule_start[r] if s.process_end[r] >= 0 and s.schedule_start[r] >= 0 else -1
         dev = s.device_end[r] - s.device_start[r] if s.device_start[r] >= 0 else -1
-        return (f"{s.step[r]:>7} {BATCH_KINDS[s.kind[r]] if s.kind[r] < 2 else '?':<7} {s.rows[r]:>4} "
+        kind = BATCH_KINDS[s.batch_kind[r]] if s.batch_kind[r] < len(BATCH_KINDS) else "?"
+        return (f"{s.step[r]:>7} {kind:<7} {s.rows[r]:>4} "
                 f"{s.tokens[r]:>6} {s.preemptions[r]:>7} {_dur(dur):>10} {_dur(dev):>10}")
 
     def schedule_event(self, r: int) -> Event:
@@ -135,27 +137,26 @@ class TraceModel:
                  + (f", preempted {short_list(e.preempted)}" if e.preempted else ""),
                  f"  {spans}" + (f"  device idle {fmt_ns(gap)} before it" if gap else ""),
                  DETAIL_HEADER]
-        for raw in e.rows:
+        for row in e.rows:
             try:
-                row = dict(zip(ROW_FIELDS, raw))
-                n = len(row["token_ids"])
-                pos = f"{row['start']}-{row['start'] + n - 1}" if n > 1 else f"{row['start']}"
-                tok = sampled.get(row["seq_id"], "pending") if row["sample"] else "-"
-                lines.append(f"  {row['seq_id']:>5} {row['epoch']:>5} {pos:>11} {n:>10} {row['state_slot']:>4} "
-                             f"{tok:>9}  {short_list(row['block_table'], 12)}")
+                n = len(row.token_ids)
+                pos = f"{row.start}-{row.start + n - 1}" if n > 1 else f"{row.start}"
+                tok = sampled.get(row.seq_id, "pending") if row.sample else "-"
+                lines.append(f"  {row.seq_id:>5} {row.epoch:>5} {pos:>11} {n:>10} {row.state_slot:>4} "
+                             f"{tok:>9}  {short_list(row.block_table, 12)}")
             except (TypeError, ValueError, KeyError):
-                lines.append(f"  a malformed row: {raw!r:.80}")
+                lines.append(f"  a malformed row: {list(row)!r:.80}")
         return lines
 
     # ---- requests --------------------------------------------------------------------------------
     def _per_request(self, ix: TraceIndex, mask: np.ndarray) -> np.ndarray:
-        """Events per request (in `request_ids` order) among those of `mask`."""
-        pos = np.searchsorted(self.request_ids, ix.seq_id[mask & (ix.seq_id >= 0)])
-        return np.bincount(pos, minlength=len(self.request_ids))
+        """Events per request (in `seq_ids` order) among those of `mask`."""
+        pos = np.searchsorted(self.seq_ids, ix.seq_id[mask & (ix.seq_id >= 0)])
+        return np.bincount(pos, minlength=len(self.seq_ids))
 
     def request_line(self, i: int) -> str:
         """One request: seq_id, prompt length, output tokens appended (stale ones not), preemptions, finish."""
-        seq = int(self.request_ids[i])
+        seq = int(self.seq_ids[i])
         return (f"{seq:>5} {self.prompt_len.get(seq, '?'):>6} {self.request_tokens[i]:>6} "
                 f"{self.request_preemptions[i]:>7} {self.finish_reasons.get(seq, 'running')}")
 
@@ -165,7 +166,7 @@ class TraceModel:
         evs = ix.events_of_request(_i32(seq))
         kinds = ix.kind[evs]
         rows = self.rows_of_steps(ix.step[evs[kinds == SCHEDULE]])
-        prefill = int(np.count_nonzero(self.steps.kind[rows] == 0)) if len(rows) else 0
+        prefill = int(np.count_nonzero(self.steps.batch_kind[rows] == 0)) if len(rows) else 0
         added = evs[kinds == KIND["request_added"]]
         head = f"request {seq}"
         if len(added):
@@ -178,8 +179,8 @@ class TraceModel:
                   f"{plural(count('reservation'), 'reservation')}, {plural(count('epoch_bump'), 'epoch bump')}, "
                   f"{plural(count('preempt'), 'preemption')}, {plural(count('cancel'), 'cancellation')}; "
                   f"finish: {self.finish_reasons.get(seq, 'not finished')}")
-        k = int(np.searchsorted(self.request_ids, seq))
-        known = k < len(self.request_ids) and self.request_ids[k] == seq
+        k = int(np.searchsorted(self.seq_ids, seq))
+        known = k < len(self.seq_ids) and self.seq_ids[k] == seq
         n, stale = (int(self.request_tokens[k]), int(self.request_stale[k])) if known else (0, 0)
         appended = evs[self.appended[evs]]     # the same count as the Requests list's `output` column
         ids = [ix.event_at(int(i)).token_id for i in appended[:LIFELINE_TOKENS]]
@@ -201,16 +202,14 @@ class TraceModel:
         if e.kind != "schedule":
             step = self.index.step[i]
             return f"{when} {'' if step < 0 else f'step {step}':>10} {e.kind:<13} {describe(e)}".rstrip()
-        for raw in e.rows:
-            row = dict(zip(ROW_FIELDS, raw))
-            if row["seq_id"] == seq:
-                n = len(row["token_ids"])
+        for row in e.rows:
+            if row.seq_id == seq:
+                n = len(row.token_ids)
                 what = "prefill chunk" if batch_kind(e) == "prefill" else "decode"
-                pos = f"positions {row['start']}-{row['start'] + n - 1} ({n} tokens)" if n > 1 else \
-                    f"position {row['start']}"
-                return (f"{when} {f'step {e.step}':>10} {what:<13} {pos}, epoch {row['epoch']}, "
-                        f"slot {row['state_slot']}, block_table {short_list(row['block_table'])}"
-                        + (", samples" if row["sample"] else ""))
+                pos = f"positions {row.start}-{row.start + n - 1} ({n} tokens)" if n > 1 else f"position {row.start}"
+                return (f"{when} {f'step {e.step}':>10} {what:<13} {pos}, epoch {row.epoch}, "
+                        f"slot {row.state_slot}, block_table {short_list(row.block_table)}"
+                        + (", samples" if row.sample else ""))
         return f"{when} {f'step {e.step}':>10} schedule"
 
     # ---- events ----------------------------------------------------------------------------------
@@ -287,29 +286,24 @@ class TraceModel:
                              f"seed {h.get('seed')}"),
                 ("engine", ", ".join(f"{k} {v}" for k, v in e.items() if k != "eos_token_id"))]
         if not self.ready:
-            counts = self.trace.footer[0] if self.trace.clean else {}
+            counts = self.trace.footer.counts if self.trace.clean else {}
             rows.append(("events", f"{sum(counts.values()):,} (from the footer; indexing…)" if counts
                          else "indexing…"))
             return rows
-        ix, s, lanes = self.index, self.steps, self.lanes
-        count = np.bincount(ix.kind, minlength=len(EVENTS))
-        n = lambda name: int(count[KIND[name]])  # noqa: E731
-        dur = max(lanes.t_max - min(lanes.t_min, int(ix.t.min(initial=lanes.t_min, where=ix.t >= 0))), 1)
-        prefill = int(np.count_nonzero(s.kind == 0))
-        reasons = {}
-        for r in self.finish_reasons.values():
-            reasons[r] = reasons.get(r, 0) + 1
-        rows += [("events", f"{len(ix):,}"),
-                 ("requests", f"{len(self.request_ids)}; finished: "
-                              + (", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "none")),
-                 ("steps", f"{len(s):,} ({prefill:,} prefill, {len(s) - prefill:,} decode)"),
-                 ("tokens", f"{int(s.tokens.sum()):,} computed, {n('token'):,} sampled, "
-                            f"{int(np.count_nonzero(self.appended)):,} appended as output"),
-                 ("preemptions", f"{n('preempt')}, cancellations {n('cancel')}, epoch bumps {n('epoch_bump')}"),
+        lanes, sm = self.lanes, self.index.summary   # the run's numbers: the same as `mdi-trace info`'s
+        dur = max(sm.duration_ns, 1)
+        rows += [("events", f"{sm.events:,}"),
+                 ("requests", f"{sm.requests}; finished: "
+                              + (", ".join(f"{k} {v}" for k, v in sorted(sm.finish_reasons.items())) or "none")),
+                 ("steps", f"{sm.num_steps:,} ({sm.steps['prefill']:,} prefill, {sm.steps['decode']:,} decode)"),
+                 ("tokens", f"{sm.computed_tokens:,} computed, {sm.sampled_tokens:,} sampled, "
+                            f"{sm.output_tokens:,} appended as output"),
+                 ("preemptions", f"{sm.preemptions}, cancellations {sm.cancellations}, epoch bumps {sm.epoch_bumps}"),
                  ("duration", f"{fmt_ns(dur)}"),
-                 ("throughput", f"{s.tokens.sum() / dur * 1e9:,.0f} computed tokens/s, "
-                                f"{n('token') / dur * 1e9:,.0f} sampled tokens/s, {len(s) / dur * 1e9:,.1f} steps/s"),
-                 ("device", f"busy {100 * lanes.device_busy / dur:.0f}%; ZOS overlap: the CPU phases ran "
+                 ("throughput", f"{sm.computed_tokens / dur * 1e9:,.0f} computed tokens/s, "
+                                f"{sm.sampled_tokens / dur * 1e9:,.0f} sampled tokens/s, "
+                                f"{sm.num_steps / dur * 1e9:,.1f} steps/s"),
+                 ("device", f"busy {100 * sm.device_busy:.0f}%; ZOS overlap: the CPU phases ran "
                             f"{100 * lanes.overlap / max(lanes.cpu_busy, 1):.0f}% of their time "
                             f"({fmt_ns(lanes.overlap)} of {fmt_ns(lanes.cpu_busy)}) while the device was busy"),
                  ("idle gaps", self._gaps_text())]
@@ -319,13 +313,11 @@ class TraceModel:
         """One line of this log's counts: the Overview's row for a rank of a run."""
         if not self.ready:
             return "indexing…"
-        ix, s = self.index, self.steps
-        prefill = int(np.count_nonzero(s.kind == 0))
-        return (f"{plural(len(ix), 'event', spec=',')}, {plural(len(self.request_ids), 'request')}, "
-                f"{plural(len(s), 'step', spec=',')} ({prefill:,} prefill), "
-                f"{plural(int(np.count_nonzero(ix.kind == TOKEN)), 'token', spec=',')} sampled, "
-                f"{plural(int(np.count_nonzero(ix.kind == KIND['preempt'])), 'preemption')}, "
-                f"device busy {fmt_ns(self.lanes.device_busy)}")
+        sm = self.index.summary
+        return (f"{plural(sm.events, 'event', spec=',')}, {plural(sm.requests, 'request')}, "
+                f"{plural(sm.num_steps, 'step', spec=',')} ({sm.steps['prefill']:,} prefill), "
+                f"{plural(sm.sampled_tokens, 'token', spec=',')} sampled, "
+                f"{plural(sm.preemptions, 'preemption')}, device busy {fmt_ns(sm.device_busy_ns)}")
 
     def _gaps_text(self) -> str:
         lanes = self.lanes
@@ -473,9 +465,9 @@ def format_event(i: int, e: Event, t: int) -> str:
 
 
 def batch_kind(e: Event) -> str:
-    """A schedule event's batch kind (its field `kind`; `Event.kind` is the event's own kind name)."""
-    code = e.fields[2]
-    return BATCH_KINDS[code] if code in (0, 1) else "?"
+    """A schedule event's batch kind by name ("?" for a code outside BATCH_KINDS)."""
+    code = e.batch_kind
+    return BATCH_KINDS[code] if code in range(len(BATCH_KINDS)) else "?"
 
 
 def _i32(value: int) -> np.int32:

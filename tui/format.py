@@ -8,8 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tracing.reader import Event
-from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, PHASES
+from tracing.schema import BATCH_KINDS, EPOCH_REASONS, FINISH_REASONS, KIND, PHASES, Event
 
 UNITS = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
 
@@ -98,14 +97,14 @@ def short_list(values, limit: int = 8) -> str:
 
 def describe(e: Event) -> str:
     """The fields of one event that are not its time, step or seq_id, as text; enum codes by name."""
-    f = dict(zip(_fields(e.kind), e.fields))
+    f = dict(zip(e.names, e))
     k = e.kind
     try:
         if k == "schedule":
-            rows = " ".join(f"{r[0]}@{r[2]}+{len(r[3])}" for r in f["rows"][:6])   # seq@start+num_tokens
+            rows = " ".join(f"{r.seq_id}@{r.start}+{len(r.token_ids)}" for r in f["rows"][:6])   # seq@start+num_tokens
             rows += " …" if len(f["rows"]) > 6 else ""
             pre = f", preempted {short_list(f['preempted'])}" if f["preempted"] else ""
-            return f"{BATCH_KINDS[f['kind']]}, {plural(len(f['rows']), 'row')}: {rows}{pre}"
+            return f"{BATCH_KINDS[f['batch_kind']]}, {plural(len(f['rows']), 'row')}: {rows}{pre}"
         if k == "request_added":
             return (f"prompt {plural(len(f['prompt_token_ids']), 'token')}, max_tokens {f['max_tokens']}, "
                     f"temperature {f['temperature']:g}, seed {f['seed']}")
@@ -124,7 +123,3 @@ def describe(e: Event) -> str:
         pass
     skip = ("t", "step", "seq_id", "start", "end")
     return " ".join(f"{n}={short_list(v) if isinstance(v, list) else v}" for n, v in f.items() if n not in skip)
-
-
-def _fields(kind: str) -> tuple[str, ...]:
-    return EVENTS[KIND[kind]][1]

@@ -11,7 +11,7 @@ from tui.data import TraceModel
 
 
 class View(Vertical):
-    """One view; subclasses set `name_` and `key` and override the hooks they need."""
+    """One view; subclasses set `title` (its name on the view bar) and `key`, and override the hooks they need."""
 
     DEFAULT_CSS = """
     View { height: 1fr; }

@@ -48,12 +48,12 @@ class RequestsView(View):
         self.evs = None
 
     def loaded(self) -> None:
-        self.query_one("#request-list", LineList).show(len(self.model.request_ids), self.model.request_line)
+        self.query_one("#request-list", LineList).show(len(self.model.seq_ids), self.model.request_line)
 
     def show_request(self, seq_id: int) -> None:
-        if not self.ready or not len(self.model.request_ids):
+        if not self.ready or not len(self.model.seq_ids):
             return
-        ids = self.model.request_ids
+        ids = self.model.seq_ids
         k = int(min(max(ids.searchsorted(seq_id), 0), len(ids) - 1))
         self.query_one("#request-list", LineList).set_cursor(k)
         head, evs = self.model.lifeline(seq_id)
@@ -72,7 +72,7 @@ class RequestsView(View):
     def on_line_highlighted(self, message: LineHighlighted) -> None:
         message.stop()
         if message.lines.id == "request-list":
-            self.post_message(RequestChosen(int(self.model.request_ids[message.index])))
+            self.post_message(RequestChosen(int(self.model.seq_ids[message.index])))
 
     def on_line_selected(self, message: LineSelected) -> None:
         message.stop()

@@ -67,7 +67,7 @@ class ResourcesView(View):
             return
         m = self.model
         blocks, slots = m.owners(row)
-        batch = {r[0] for r in m.schedule_event(row).rows}
+        batch = {r.seq_id for r in m.schedule_event(row).rows}
         width = max(self.size.width - 6, 40)   # padding and the scrollbar
         text = Text()
         text.append(f"step {m.steps.step[row]}", "bold yellow")
