@@ -42,7 +42,7 @@ def test_record_s_defaults_at_seed_6_draw_the_committed_example_s_requests():
         events = list(t.events())
     added = [e for e in events if type(e).__name__ == "RequestAdded"]
     cancelled = {e.seq_id for e in events if type(e).__name__ == "Cancel"}
-    w = draw(WorkloadSpec(cancel_rate=0.1, seed=6),
+    w = draw(WorkloadSpec(seed=6),
              llm_like(model["vocab_size"], model["max_seq_len"], engine["num_kv_blocks"]))
     assert [(list(ids), p.max_tokens, p.temperature) for ids, p in w.requests] == \
            [(list(e.prompt_token_ids), e.max_tokens, e.temperature) for e in added]

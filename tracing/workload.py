@@ -3,8 +3,8 @@ Recorder with cancellations at drawn output-token counts and a stop flag. `mdi-t
 and the benchmarks draw their prompts here. No DeepInfer file: its benchmarks draw their own.
 
     spec = WorkloadSpec(num_prompts=16, input_len=(64, 512), output_len=(16, 64), cancel_rate=0.1, seed=6)
-    llm = recorded_llm("run.mdt", argv=[], model="micro", num_kv_blocks=16, seed=6)
-    outcome = record(llm, spec)          # draws, runs, shuts the engine down (the footer)
+    llm = recorded_llm("run.mdt", argv=[], model="micro", num_kv_blocks=16, seed=6)  # tracer=Recorder("run.mdt")
+    outcome = record(llm, spec)   # draws, runs, shuts the engine down (the footer): Outcome(stopped, seconds)
 
 It lives in tracing/, not engine/, because the harness records with tracing's Recorder (engine/ never
 imports tracing/); the drawing beside it needs only engine/'s SamplingParams and the engine's public
@@ -35,13 +35,13 @@ class Request(NamedTuple):
 
 @dataclass(slots=True)
 class WorkloadSpec:
-    """What to draw (the options of `mdi-trace record`). `prompts` (from `read_prompts`) replaces the random
-    prompts; a line without max_tokens draws it from `output_len`."""
+    """What to draw: the options of `mdi-trace record`, with its defaults. `prompts` (from `read_prompts`)
+    replaces the random prompts; a line without max_tokens draws it from `output_len`."""
     num_prompts: int = 16
     input_len: tuple[int, int] = (64, 512)    # prompt lengths, uniform in [MIN, MAX]
     output_len: tuple[int, int] = (16, 64)    # max_tokens, uniform in [MIN, MAX]
     temperature: float = 0.0
-    cancel_rate: float = 0.0                  # each request cancelled with this probability
+    cancel_rate: float = 0.1                  # each request cancelled with this probability
     seed: int = 0                             # of the prompts and the cancellations
     prompts: list[tuple[str | list[int], int | None]] | None = None
 

@@ -460,7 +460,8 @@ def _record(a, argv: list[str]) -> int:
         prompts = read_prompts(a.prompts) if a.prompts else None
     except WorkloadError as e:
         raise SystemExit(f"mdi-trace: {e}") from None
-    spec = WorkloadSpec(a.num_prompts, a.input_len, a.output_len, a.temperature, a.cancel_rate, a.seed, prompts)
+    spec = WorkloadSpec(num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
+                        temperature=a.temperature, cancel_rate=a.cancel_rate, seed=a.seed, prompts=prompts)
     _check_model(a.model)
     _check_device(a.device)
     out = Path(a.output or f"traces/run-{time.strftime('%Y%m%d-%H%M%S')}.mdt")
