@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
 import time
 
@@ -20,8 +21,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.tracer import MemoryTracer
+from tracing.workload import random_requests
 
 
 def tokens_per_s(model: str, invariant: bool, batch: int, prompt_len: int, tokens: int,
@@ -30,11 +32,9 @@ def tokens_per_s(model: str, invariant: bool, batch: int, prompt_len: int, token
     tracer = MemoryTracer()
     llm = LLM(model, device=device, batch_invariant=invariant, enable_zos=True, cpu_threads=1, max_num_seqs=batch,
               max_num_batched_tokens=batch * prompt_len, tracer=tracer if device == "cuda" else None)
-    g = torch.Generator().manual_seed(0)
-    vocab = llm.engine.runner.model.args.vocab_size
-    for i in range(batch):
-        llm.engine.add_request(torch.randint(3, vocab, (prompt_len,), generator=g).tolist(),
-                               SamplingParams(temperature=1.0, seed=i, max_tokens=tokens, ignore_eos=True))
+    for request in random_requests(random.Random(0), batch, (prompt_len, prompt_len), (tokens, tokens),
+                                   llm.engine.vocab_size, temperature=1.0):
+        llm.engine.add_request(*request)
     runner, forward, spans = llm.engine.runner, llm.engine.runner.model.forward, []
 
     def timed(batch_, *args, **kwargs):  # device time of each forward, on the worker thread

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 
 import torch
@@ -36,6 +37,7 @@ from engine import LLM, SamplingParams
 from engine.tracer import NullTracer
 from model.moe import Gate, MoE
 from model.reference import ReferenceModel
+from tracing.workload import random_requests
 
 
 class SpanTracer(NullTracer):
@@ -93,10 +95,9 @@ def traced_runs(a, directory: str) -> list[dict]:
             path = os.path.join(directory, f"decode-b{batch}-zos-{'on' if zos else 'off'}.mdt")
             llm = LLM(a.model, device="cuda", max_num_seqs=batch, max_num_batched_tokens=8192, enable_zos=zos,
                       tracer=Recorder(path, argv=[]))
-            g = torch.Generator().manual_seed(batch)
-            for i in range(batch):
-                llm.engine.add_request(torch.randint(3, 129280, (a.prompt_len,), generator=g).tolist(),
-                                       SamplingParams(temperature=1.0, seed=i, max_tokens=a.steps, ignore_eos=True))
+            for request in random_requests(random.Random(batch), batch, (a.prompt_len, a.prompt_len),
+                                           (a.steps, a.steps), llm.engine.vocab_size, temperature=1.0):
+                llm.engine.add_request(*request)
             start = time.perf_counter()
             while llm.engine.has_unfinished():
                 llm.engine.step()
@@ -120,11 +121,9 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, warmup: int, steps: int, z
     """Time `steps` decode steps of `batch` rows; returns ms/step, tokens/s and device busy."""
     engine, tracer = llm.engine, llm.engine.tracer
     engine.enable_zos = zos
-    g = torch.Generator().manual_seed(seed)
-    vocab = engine.runner.model.args.vocab_size
-    for i in range(batch):
-        engine.add_request(torch.randint(3, vocab, (prompt_len,), generator=g).tolist(),
-                           SamplingParams(temperature=1.0, seed=seed + i, max_tokens=warmup + steps + 4, ignore_eos=True))
+    for request in random_requests(random.Random(seed), batch, (prompt_len, prompt_len),
+                                   (warmup + steps + 4, warmup + steps + 4), engine.vocab_size, temperature=1.0):
+        engine.add_request(*request)
     first = engine.scheduler.step
     while True:  # prefill, then the warm-up decode steps
         engine.step()

@@ -25,9 +25,10 @@ import torch
 from engine.llm_engine import freeze_heap
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import SamplingParams, Sequence
+from engine.sequence import Sequence
 from engine.tracer import NullTracer
 from tracing.recorder import Recorder
+from tracing.workload import random_requests
 
 PHASES = ("schedule", "prepare", "process", "digest", "flush")
 
@@ -49,9 +50,9 @@ def run(batch: int, steps: int, tracer, seed: int = 0) -> dict[str, list[float]]
     scheduler, runner = Scheduler(config, tracer), make_runner(config)
     tracer.start({"engine": {}, "model": {}})
     freeze_heap()  # as LLMEngine.__init__ does
-    for i in range(batch):  # prompts of 64-512 tokens: block boundaries fall on different steps
-        params = SamplingParams(temperature=1.0, seed=i, max_tokens=1 << 20, ignore_eos=True)
-        scheduler.add(Sequence(i, [rng.randrange(3, 1000) for _ in range(rng.randrange(64, 513))], params, i))
+    # prompts of 64-512 tokens (block boundaries fall on different steps) over a vocabulary of 1000
+    for i, request in enumerate(random_requests(rng, batch, (64, 512), (1 << 20, 1 << 20), 1000, temperature=1.0)):
+        scheduler.add(Sequence(i, *request, seed=i))
     tokens = [rng.randrange(3, 1000) for _ in range(batch)]
     times = {p: [] for p in PHASES}
     in_flight = None

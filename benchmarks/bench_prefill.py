@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 
 import torch
@@ -29,10 +30,10 @@ import torch
 from bench_decode import measure_ceilings
 from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerConfig
-from engine.sequence import SamplingParams
 from model.config import BLOCK_SIZE, cdiv
 from model.load import load_model
 from model.reference import ReferenceModel
+from tracing.workload import random_requests
 
 
 def matmul_tflops() -> float:
@@ -60,11 +61,8 @@ def build(model: str, n: int, length: int, budget: int):
 
 def prefill_run(engine: LLMEngine, n: int, length: int, seed: int) -> tuple[float, int]:
     """(seconds, steps) to prefill n prompts of `length` tokens and sample each one's first token."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = engine.runner.model.args.vocab_size
-    ids = [engine.add_request(torch.randint(3, vocab, (length,), generator=g).tolist(),
-                              SamplingParams(temperature=1.0, seed=seed + i, max_tokens=1, ignore_eos=True))
-           for i in range(n)]
+    ids = [engine.add_request(*r) for r in random_requests(random.Random(seed), n, (length, length), (1, 1),
+                                                           engine.vocab_size, temperature=1.0)]
     torch.cuda.synchronize()
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished():

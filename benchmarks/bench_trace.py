@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -19,20 +20,19 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tracing import Recorder
+from tracing.workload import random_requests
 
 
 def tokens_per_s(a, trace_path: Path | None) -> float:
     """Prompt plus output tokens per second of one run, tracing to `trace_path` (None: off)."""
     llm = LLM(a.model, device=a.device, max_num_seqs=a.num_prompts,
               tracer=Recorder(trace_path, argv=[]) if trace_path else None)
-    g = torch.Generator().manual_seed(0)
-    vocab = llm.engine.runner.model.args.vocab_size
-    prompts = [torch.randint(3, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.num_prompts)]
-    params = SamplingParams(temperature=1.0, max_tokens=a.tokens, ignore_eos=True)
+    requests = list(random_requests(random.Random(0), a.num_prompts, (a.prompt_len, a.prompt_len),
+                                    (a.tokens, a.tokens), llm.engine.vocab_size, temperature=1.0))
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, progress=False)
+    outs = llm.generate([r.prompt_token_ids for r in requests], [r.params for r in requests], progress=False)
     llm.engine.shutdown()  # the footer is part of tracing's cost
     elapsed = time.perf_counter() - start
     return sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs) / elapsed

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import statistics
 import time
 
@@ -17,16 +18,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from engine import LLM, SamplingParams
+from engine import LLM
+from tracing.workload import random_requests
 
 
 def decode_ms_per_step(model: str, zos: bool, threads: int, batch: int, tokens: int, prompt_len: int) -> float:
     llm = LLM(model, enable_zos=zos, cpu_threads=threads, max_num_seqs=batch)
-    g = torch.Generator().manual_seed(0)
-    vocab = llm.engine.runner.model.args.vocab_size
-    for i in range(batch):
-        llm.engine.add_request(torch.randint(3, vocab, (prompt_len,), generator=g).tolist(),
-                               SamplingParams(temperature=1.0, seed=i, max_tokens=tokens, ignore_eos=True))
+    for request in random_requests(random.Random(0), batch, (prompt_len, prompt_len), (tokens, tokens),
+                                   llm.engine.vocab_size, temperature=1.0):
+        llm.engine.add_request(*request)
     for _ in range(3):  # warm-up: the prefill and the first decode steps
         llm.engine.step()
     steps, start = 0, time.perf_counter()

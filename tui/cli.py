@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import random
 import shlex
@@ -323,11 +322,11 @@ def _check_device(device: str) -> None:
 
 
 def _generate(a) -> int:
-    import torch
     from rich.console import Console
     from rich.table import Table
 
-    from engine import LLM, SamplingParams
+    from engine import LLM
+    from tracing.workload import random_requests
 
     _check_model(a.model)
     _check_device(a.device)
@@ -335,13 +334,11 @@ def _generate(a) -> int:
         llm = LLM(a.model, device=a.device)
     except ValueError as e:
         raise SystemExit(f"mdi-trace: {e}") from None
-    g = torch.Generator().manual_seed(a.seed)
-    vocab = llm.engine.runner.model.args.vocab_size
-    prompts = [torch.randint(3, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.num_prompts)]
-    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True)
+    requests = list(random_requests(random.Random(a.seed), a.num_prompts, (a.prompt_len, a.prompt_len),
+                                    (a.max_tokens, a.max_tokens), llm.engine.vocab_size, a.temperature))
     start = time.perf_counter()
     try:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate([r.prompt_token_ids for r in requests], [r.params for r in requests])
     except ValueError as e:
         raise SystemExit(f"mdi-trace: {e}") from None
     elapsed = time.perf_counter() - start
@@ -360,61 +357,6 @@ def _generate(a) -> int:
 
 
 # ---- record --------------------------------------------------------------------------------------
-def _read_prompts(path: str) -> list[tuple[str | list[int], int | None]]:
-    """(prompt, max_tokens or None) per line of a jsonl file; a bad line is one sentence with its number."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"mdi-trace: cannot read {path}: {getattr(e, 'strerror', None) or e}.") from None
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            obj = None
-        prompt = obj.get("prompt") if isinstance(obj, dict) else None
-        max_tokens = obj.get("max_tokens") if isinstance(obj, dict) else None
-        ids_ok = isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt)
-        if not ((isinstance(prompt, str) and prompt) or ids_ok) or not (
-                max_tokens is None or (isinstance(max_tokens, int) and max_tokens >= 1)):
-            raise SystemExit(f'mdi-trace: {path} line {n} is not {{"prompt": text or token ids, '
-                             f'"max_tokens": N (optional)}}.')
-        prompts.append((prompt, max_tokens))
-    if not prompts:
-        raise SystemExit(f"mdi-trace: {path} has no prompts.")
-    return prompts
-
-
-def _requests(a, llm, rng: random.Random, progress) -> list[tuple[list[int], object]]:
-    """(prompt token ids, SamplingParams) per request: random ids and lengths, or the --prompts file. Each
-    is checked as it is drawn (ValueError at the first that cannot run); `progress(n)` after each."""
-    from engine import SamplingParams
-
-    def max_tokens():
-        return rng.randint(*a.output_len)
-
-    def checked(prompt, params):
-        llm.engine.check_request(prompt, params)
-        progress(1)
-        return prompt, params
-    if a.prompts:
-        return [checked(llm.tokenizer.encode(p) if isinstance(p, str) else p,
-                        SamplingParams(temperature=a.temperature, max_tokens=m or max_tokens()))
-                for p, m in _read_prompts(a.prompts)]
-    vocab = llm.engine.runner.model.args.vocab_size
-
-    def prompt():
-        n = rng.randint(*a.input_len)
-        if n >= llm.engine.max_seq_len:  # refused before a huge list is drawn
-            raise ValueError(f"--input-len {a.input_len[0]}:{a.input_len[1]} drew a prompt of {n:,} tokens; the "
-                             f"model's max_seq_len is {llm.engine.max_seq_len:,}.")
-        return [rng.randrange(3, vocab) for _ in range(n)]
-    return [checked(prompt(), SamplingParams(temperature=a.temperature, max_tokens=max_tokens(), ignore_eos=True))
-            for _ in range(a.num_prompts)]
-
-
 class Interrupted(KeyboardInterrupt):
     """A stop signal (SIGINT, SIGTERM, SIGHUP) before a record's run started; `code` is the exit code."""
 
@@ -467,36 +409,24 @@ def _bar(console, disable: bool = False):
     return Progress(*columns, console=console, transient=True, disable=disable or not console.is_terminal)
 
 
-def _run(engine, cancel_at: dict[int, int], bar, total: int, stop: _Stop) -> bool:
-    """Steps the engine to the end under a progress bar, cancelling request i once it has cancel_at[i]
-    output tokens (0: as soon as it has been scheduled). A stop signal ends it at the end of the step under
-    way and cancels the unfinished requests, so the trace stays consistent; returns whether that happened.
-    Under EP x DP the ranks agree on both every step, so they stop together."""
-    from model.parallel import any_rank
+class _BarProgress:
+    """tracing.workload's Progress on the Rich bar: a task while the requests are drawn, then one while they
+    run; from the run's start a stop signal ends it at a step's end (`_Stop.running`)."""
 
-    task, steps = bar.add_task("recording", total=total), 0
-    while engine.has_unfinished():
-        if any_rank(stop.signum is not None, engine.shard):
-            _cancel_all(engine)
-            return True
-        bar.advance(task, len(engine.step()))
-        steps += 1
-        bar.update(task, description=f"recording, step {steps}")
-        for seq_id, k in list(cancel_at.items()):
-            seq = engine.scheduler.seqs.get(seq_id)
-            if seq is None or (seq.num_cached_tokens and seq.num_output_tokens >= k):
-                del cancel_at[seq_id]
-                if seq is not None:
-                    engine.abort(seq_id)
-    return False
+    def __init__(self, bar, total: int, stop: _Stop):
+        self.bar, self.stop, self.task = bar, stop, bar.add_task("drawing requests", total=total)
 
+    def drawn(self, n: int) -> None:
+        self.bar.advance(self.task, n)
 
-def _cancel_all(engine) -> None:
-    """Cancel every unfinished request, then one step applies the cancellations and processes the step in
-    flight."""
-    for seq_id in list(engine.scheduler.seqs):
-        engine.abort(seq_id)
-    engine.step()
+    def running(self, total: int) -> None:
+        self.stop.running = True  # no request is half added: the signal now waits for a step's end
+        self.bar.remove_task(self.task)
+        self.task = self.bar.add_task("recording", total=total)
+
+    def stepped(self, finished: int, step: int) -> None:
+        self.bar.advance(self.task, finished)
+        self.bar.update(self.task, description=f"recording, step {step}")
 
 
 def _refuse_existing(out: Path, world_size: int, force: bool) -> None:
@@ -524,9 +454,14 @@ def _record(a, argv: list[str]) -> int:
     from rich.console import Console
 
     from model.parallel import setup
+    from tracing.workload import WorkloadError, WorkloadSpec, read_prompts
 
-    if a.prompts:
-        _read_prompts(a.prompts)  # a bad file fails before the model loads
+    try:  # a bad --prompts file fails before the model loads
+        prompts = read_prompts(a.prompts) if a.prompts else None
+    except WorkloadError as e:
+        raise SystemExit(f"mdi-trace: {e}") from None
+    spec = WorkloadSpec(num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
+                        temperature=a.temperature, cancel_rate=a.cancel_rate, seed=a.seed, prompts=prompts)
     _check_model(a.model)
     _check_device(a.device)
     out = Path(a.output or f"traces/run-{time.strftime('%Y%m%d-%H%M%S')}.mdt")
@@ -540,72 +475,48 @@ def _record(a, argv: list[str]) -> int:
         if a.nproc not in (1, shard.world_size):
             raise SystemExit(f"mdi-trace: --nproc {a.nproc} but this process is one of {shard.world_size} ranks "
                              f"(WORLD_SIZE); drop --nproc under torchrun.")
-        return _record_rank(a, argv, out, shard, stop, Console())
+        return _record_rank(a, argv, spec, out, shard, stop, Console())
 
 
-def _record_rank(a, argv: list[str], out: Path, shard, stop: _Stop, console) -> int:
-    """One process's (or rank's) record: the engine under the Recorder, then the summary."""
-    from engine import LLM
+def _record_rank(a, argv: list[str], spec, out: Path, shard, stop: _Stop, console) -> int:
+    """One process's (or rank's) record (tracing/workload.py) under a progress bar, then the summary."""
     from model.parallel import barrier, from_rank0
-    from tracing import Recorder
     from tracing.ranks import open_run, rank_path
+    from tracing.workload import record, recorded_llm
 
     out = Path(from_rank0(str(out), shard))  # one name for every rank, even a default made of the time
     path = rank_path(out, shard.rank) if shard.world_size > 1 else out
     if shard.world_size == 1 or "MDI_INIT_METHOD" not in os.environ:  # `--nproc` checked the run's files
         _refuse_existing(path, 1, a.force)
-    recorder = Recorder(path, argv=["mdi-trace", *argv], exclusive=not a.force)  # creates no file yet
     try:
-        llm = LLM(a.model, device=a.device, enable_zos=a.zos, max_num_batched_tokens=a.max_num_batched_tokens,
-                  max_num_seqs=a.max_num_seqs, num_kv_blocks=a.num_kv_blocks, num_state_slots=a.num_state_slots,
-                  tracer=recorder, seed=a.seed, shard=shard, batch_invariant=a.batch_invariant)
-    except BaseException as e:
-        recorder.discard()
-        if isinstance(e, ValueError):
-            raise SystemExit(f"mdi-trace: {e}") from None
-        raise
+        llm = recorded_llm(path, ["mdi-trace", *argv], exclusive=not a.force, model=a.model, device=a.device,
+                           enable_zos=a.zos, max_num_batched_tokens=a.max_num_batched_tokens,
+                           max_num_seqs=a.max_num_seqs, num_kv_blocks=a.num_kv_blocks,
+                           num_state_slots=a.num_state_slots, seed=a.seed, shard=shard,
+                           batch_invariant=a.batch_invariant)
+    except ValueError as e:
+        raise SystemExit(f"mdi-trace: {e}") from None
     skipped = getattr(llm.engine.runner.model.weights, "skipped_tensors", [])
     if skipped and shard.rank == 0:  # a released checkpoint's out-of-scope tensors (DSpark, vision)
         console.print(f"skipped {len(skipped)} tensors outside the model served here: {', '.join(skipped[:4])}"
                       f"{', …' if len(skipped) > 4 else ''}", soft_wrap=True)
-    rng = random.Random(a.seed)
-    engine, interrupted, refused = llm.engine, False, None
-    total = len(_read_prompts(a.prompts)) if a.prompts else a.num_prompts
     try:
         with _bar(console, disable=shard.rank > 0) as bar:
-            drawing = bar.add_task("drawing requests", total=total)
-            requests = _requests(a, llm, rng, lambda n: bar.advance(drawing, n))  # every rank draws all
-            bar.remove_task(drawing)
-            stop.running = True  # from here a signal stops the run at a step's end: no request half added
-            ids = [engine.add_request(*requests[i]) for i in shard.requests(len(requests))]
-            cancel_at = {i: rng.randrange(p.max_tokens) for i, (_, p) in enumerate(requests)
-                         if rng.random() < a.cancel_rate}
-            cancel_at = {i: k for i, k in cancel_at.items() if i in ids}
-            start = time.perf_counter()
-            if stop.signum is None:
-                interrupted = _run(engine, cancel_at, bar, len(ids), stop)
-            else:  # a signal between the requests and the run
-                _cancel_all(engine)
-                interrupted = True
+            outcome = record(llm, spec, lambda: stop.signum is not None, _BarProgress(bar, spec.size, stop))
     except Interrupted:  # while drawing the requests: none was added, the trace holds no step
-        stop.running, interrupted = True, True
+        stop.running, outcome = True, None
     except ValueError as e:  # a request that does not fit the model or the KV pool: nothing is kept
-        refused = e
-        recorder.discard()
-    finally:
-        engine.shutdown()  # writes the footer (nothing, once discarded)
-    if refused:
-        raise SystemExit(f"mdi-trace: {refused}")
+        raise SystemExit(f"mdi-trace: {e}") from None
     barrier(shard)  # every rank's footer is written
+    interrupted = outcome is None or outcome.stopped
     if shard.rank > 0:
         return stop.code if interrupted else 0
     if interrupted:
         print(f"mdi-trace: interrupted ({stop.name}); the unfinished requests were cancelled and the trace is in "
               f"{out}.", file=sys.stderr)
         return stop.code
-    elapsed = time.perf_counter() - start
     for trace in open_run(out).traces:
-        _print_summary(console, trace, f"recorded {trace.path} in {elapsed:.1f} s", size=True)
+        _print_summary(console, trace, f"recorded {trace.path} in {outcome.seconds:.1f} s", size=True)
     q = shlex.quote(str(out))
     console.print(f"look at it:\n  [bold]mdi-trace view {q}[/]  (the TUI: timeline, steps, requests, resources)\n"
                   f"  [bold]mdi-trace info {q}[/]\n  [bold]mdi-trace verify {q}[/]\n  [bold]mdi-trace check {q}[/]\n"
