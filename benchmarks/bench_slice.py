@@ -27,6 +27,7 @@ from bench_decode import SpanTracer, decode_run, measure_ceilings
 from bench_prefill import prefill_run
 from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerConfig
+from model.config import BLOCK_SIZE, cdiv
 from model.load import load_model
 
 GB = 1e9
@@ -67,7 +68,7 @@ def main() -> None:
     print(f"{a.model}: loaded in {load_s:.1f} s, digest {digest}, weights {weight_bytes / GB:.2f} GB, "
           f"allocated {torch.cuda.memory_allocated() / GB:.2f} GB; copy {ceilings['copy_GBps']:.0f} GB/s", flush=True)
     rows = max(batches + [n for n, _ in shapes])
-    blocks = rows * -(-max_len // 128)
+    blocks = rows * cdiv(max_len, BLOCK_SIZE)
     tracer = SpanTracer()
     engine = LLMEngine(weights, SchedulerConfig(max_num_seqs=rows, max_num_batched_tokens=a.max_batched_tokens,
                                                 num_kv_blocks=blocks, num_state_slots=rows),

@@ -1,9 +1,9 @@
 """`verify`: prove promise 2 and the step contract (ARCHITECTURE.md §2-§3) from a recorded log alone.
 
 No DeepInfer file does this; the engine's own tests (tests/test_engine_lifetimes.py) run their random
-workloads through this checker too, step by step (`Verifier`). Imports no torch, and of engine/ only
-engine/scheduler.py's `tables_digest` (the digest of the resource tables the engine writes, so that the two
-cannot drift apart; engine/scheduler.py imports no torch either).
+workloads through this checker too, step by step (`Verifier`). Imports no torch: of engine/ only
+engine/step.py's `tables_digest` (the digest of the resource tables the engine writes, so that the two cannot
+drift apart) and of model/ only config.py's `cdiv`; neither module imports torch.
 
     from tracing.reader import open_trace
     from tracing.verify import verify
@@ -82,6 +82,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.step import tables_digest
+from model.config import cdiv
 from tracing.reader import TraceFile
 from tracing.schema import BATCH_KINDS, EPOCH_REASONS, FINISH_REASONS, PHASES, Event, Row
 
@@ -618,9 +619,9 @@ class Verifier:
         if r.output_position != output_position:
             return (f"a {kind} row at output position {r.output_position}, the request has {output_position} "
                     f"output tokens ({len(req.tokens) - req.prompt_len} appended, {inflight} in flight)")
-        if self.block_size is not None and len(r.block_table) != -(-end // self.block_size):
+        if self.block_size is not None and len(r.block_table) != cdiv(end, self.block_size):
             return (f"a {kind} row ending at {end} with {len(r.block_table)} blocks, its positions need "
-                    f"{-(-end // self.block_size)} of {self.block_size}")
+                    f"{cdiv(end, self.block_size)} of {self.block_size}")
         if r.sample and output_position >= req.max_tokens:
             return f"a {kind} row samples output token {output_position}, max_tokens is {req.max_tokens}"
         if r.sample and self.reservations.get(r.seq_id) != (req.epoch, output_position):
