@@ -56,7 +56,7 @@ class LLMEngine:
         if self.shard.world_size > 1:
             self.runner.use_cuda_graphs = False  # the sharded layers read every rank's row count on the host
         self.in_flight: StepHandle | None = None  # under ZOS: the step whose result is not processed yet
-        self.pending_aborts: list[int] = []
+        self.pending_aborts: list[tuple[int, str]] = []  # (seq_id, cause), applied at the next step
         self.next_id = self.shard.rank  # request ids rank, rank + world_size, ...: unique across ranks
         self.tracer.start({**self._header(weights, checkpoint_digest), "model_source": model_source})
         freeze_heap()
@@ -80,12 +80,16 @@ class LLMEngine:
                 "platform": platform_of(device),  # everything else that decides the bits (engine/platform.py)
                 "rank": self.shard.rank, "world_size": self.shard.world_size, "run_id": run_id(self.shard)}
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    arrival_ns: int | None = None) -> int:
+        """Queue a request; its id. `arrival_ns` (time.perf_counter_ns) is when it reached the front door (an
+        HTTP request, a replayed arrival), if earlier than now."""
+        arrival_ns = time.perf_counter_ns() if arrival_ns is None else arrival_ns
         params = self.check_request(prompt_token_ids, params)
         seq_id, self.next_id = self.next_id, self.next_id + self.shard.world_size
         seed = params.seed if params.seed is not None else mix_seed(self.seed, seq_id)
         self.scheduler.add(Sequence(seq_id, prompt_token_ids, params, seed))
-        self.tracer.request_added(seq_id, list(prompt_token_ids), params, seed)
+        self.tracer.request_added(seq_id, list(prompt_token_ids), params, seed, arrival_ns)
         return seq_id
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> SamplingParams:
@@ -108,9 +112,11 @@ class LLMEngine:
                              f"{self.config.num_kv_blocks} in the pool; raise num_kv_blocks.")
         return params
 
-    def abort(self, seq_id: int) -> None:
-        """Cancel a request; it finishes with reason "abort" at the start of the next step."""
-        self.pending_aborts.append(seq_id)
+    def abort(self, seq_id: int, cause: str = "abort") -> None:
+        """Cancel a request; it finishes with reason "abort" at the start of the next step. `cause` says why
+        (tracing/schema.py CANCEL_CAUSES): "abort" (the caller's), "disconnect" (its client went away) or
+        "shutdown" (the engine stops)."""
+        self.pending_aborts.append((seq_id, cause))
 
     def has_unfinished(self) -> bool:
         """Work left here, or under EP x DP on any rank (every rank keeps stepping until all are done)."""
@@ -118,7 +124,7 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """One step of the contract. Returns the sequences that finished in it (aborted ones included)."""
-        finished = [s for s in map(self.scheduler.abort, self.pending_aborts) if s is not None]
+        finished = [s for s in (self.scheduler.abort(*a) for a in self.pending_aborts) if s is not None]
         self.pending_aborts = []
         t0 = time.perf_counter_ns()
         batch = self.scheduler.schedule()

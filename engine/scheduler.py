@@ -185,15 +185,15 @@ class Scheduler:
         self.tracer.preempt(self.step, seq.seq_id)
         self.tracer.epoch_bump(seq.seq_id, seq.epoch, "preempt")
 
-    def abort(self, seq_id: int) -> Sequence | None:
-        """Cancel a request: a terminal state. Its in-flight results are discarded as stale; the device
+    def abort(self, seq_id: int, cause: str = "abort") -> Sequence | None:
+        """Cancel a request (`cause`: "abort", "disconnect" or "shutdown"): a terminal state. Its in-flight results are discarded as stale; the device
         may still be writing its blocks, but runs steps in order, so a new owner's later step writes
         after it."""
         seq = self.seqs.get(seq_id)
         if seq is None or seq.is_finished:
             return None
         seq.epoch += 1
-        self.tracer.cancel(self.step, seq_id)
+        self.tracer.cancel(self.step, seq_id, cause)
         self.tracer.epoch_bump(seq_id, seq.epoch, "cancel")
         (self.waiting if seq.status == SequenceStatus.WAITING else self.running).remove(seq)
         self._finish(seq, "abort")

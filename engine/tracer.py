@@ -13,7 +13,7 @@ class NullTracer:
     enabled = False
 
     def start(self, header): pass                              # engine, model, checkpoint, device, versions
-    def request_added(self, seq_id, prompt_token_ids, params, seed): pass
+    def request_added(self, seq_id, prompt_token_ids, params, seed, arrival_ns=None): pass  # arrival: at the door
     def schedule(self, batch): pass                           # a ScheduledBatch: the step's explicit input
     def reservation(self, step, seq_id, epoch, output_position): pass  # num_inflight += 1
     def epoch_bump(self, seq_id, epoch, reason): pass          # reason: "preempt" or "cancel"
@@ -22,7 +22,7 @@ class NullTracer:
     def slot_alloc(self, seq_id, state_slot): pass
     def slot_free(self, seq_id, state_slot): pass
     def preempt(self, step, seq_id): pass
-    def cancel(self, step, seq_id): pass
+    def cancel(self, step, seq_id, cause="abort"): pass       # cause: "abort", "disconnect" or "shutdown"
     def token(self, step, seq_id, epoch, position, token_id, appended): pass  # appended=False: stale
     def finish(self, step, seq_id, reason): pass
     def cpu_span(self, step, phase, start_ns, end_ns): pass   # phase: "schedule", "execute", "process"

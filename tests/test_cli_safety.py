@@ -118,7 +118,7 @@ def test_every_option_has_help_and_says_its_default():
 
 def test_version_and_a_bare_call(capsys):
     code, out = run_main(["--version"], capsys)
-    assert code == 0 and out.out.startswith("mdi-trace ") and "schema version 2, reads versions 1 and 2" in " ".join(out.out.split())
+    assert code == 0 and out.out.startswith("mdi-trace ") and "schema version 3, reads versions 1, 2 and 3" in " ".join(out.out.split())
     code, out = run_main([], capsys)
     assert code == 2 and out.out.startswith("usage: mdi-trace") and "record" in out.out and "check" in out.out
 

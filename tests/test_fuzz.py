@@ -24,6 +24,7 @@ import msgpack
 import pytest
 
 import tui.cli as cli
+from tracing.ranks import open_run
 from tracing.reader import TraceError, TraceFile
 from tracing.schema import KIND, TRAILER_TAG
 
@@ -71,12 +72,14 @@ def layout(clean, tmp_path_factory) -> dict:
 
 
 def readable(path: Path) -> bool:
-    """Whether the reader opens `path` and reads every event as its typed record (a schedule row of the wrong
-    length is damage the reader refuses, not a finding)."""
+    """Whether the commands' reader opens `path` as a run (`open_run`: a header whose rank and world size name
+    other rank files it lacks is refused) and reads every event as its typed record (a schedule row of the
+    wrong length is damage the reader refuses, not a finding)."""
     try:
-        with TraceFile(path) as tf:
-            for _ in tf.events():
-                pass
+        with open_run(path) as run:
+            for tf in run.traces:
+                for _ in tf.events():
+                    pass
         return True
     except TraceError:
         return False
@@ -218,7 +221,7 @@ HOSTILE_HEADERS = {
     "checkpoint_digest an int": ({"checkpoint_digest": 12}, "checkpoint_digest is an int, not a str"),
     "schema_version true": ({"schema_version": True}, "schema_version is a bool, not an int"),
     "schema_version 1.0": ({"schema_version": 1.0}, "schema_version is a float, not an int"),
-    "schema_version 3": ({"schema_version": 3}, "schema version 3"),
+    "schema_version 4": ({"schema_version": 4}, "schema version 4"),
     "no magic": ({"magic": None}, "wrong magic"),
 }
 

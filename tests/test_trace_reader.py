@@ -79,7 +79,8 @@ def schema_mismatches(text: str, s=schema) -> list[str]:
     enums = {}
     for name, code, value in (r[:3] for r in t.get("Enums", [])):
         enums.setdefault(name, []).append((int(code), value))
-    code_enums = {k: getattr(s, k) for k in ("BATCH_KINDS", "PHASES", "EPOCH_REASONS", "FINISH_REASONS")}
+    code_enums = {k: getattr(s, k) for k in ("BATCH_KINDS", "PHASES", "EPOCH_REASONS", "FINISH_REASONS",
+                                             "CANCEL_CAUSES")}
     for name in sorted(enums.keys() | code_enums.keys()):
         codes = sorted(enums.get(name, []))
         if [c for c, _ in codes] != list(range(len(codes))):
@@ -89,6 +90,8 @@ def schema_mismatches(text: str, s=schema) -> list[str]:
     renamed |= {(f"EPOCH_REASONS {code}", old): s.V1_REASON_RENAMED[old] for code, old in enumerate(s.V1_EPOCH_REASONS)
                 if old in s.V1_REASON_RENAMED}
     check("version-1 names", {(r[0], r[1]): r[2] for r in t.get("Version 1", [])}, renamed)
+    check("version-3 fields", {(r[0], r[1]): r[2] for r in t.get("Version 2", [])},
+          {(event, field): str(value) for event, (field, value) in s.V3_APPENDED.items()})
     return bad
 
 
@@ -104,7 +107,8 @@ def test_schema_document_agrees_with_schema_module():
     ("| t0_ns | int |", "| t0 | int |"),                                            # a header field
     ("| state_slot | int | its state slot |\n", ""),                                # a row field dropped
     ("| output_position | int | which output token (0", "| position | int | which output token (0"),
-    ("| SCHEMA_VERSION | 2 |", "| SCHEMA_VERSION | 1 |"),
+    ("| SCHEMA_VERSION | 3 |", "| SCHEMA_VERSION | 2 |"),
+    ("| cancel | cause | 0 |\n", ""),                                             # a version-3 field dropped
     ("| slot_free | slot | state_slot |\n", ""),                                   # a version-1 rename dropped
     ("| temperature | float or int | sampling", "| temperature | float | sampling"),   # an event field's type
     ("| world_size | int |", "| world_size | str |"),                                # a header field's type
@@ -347,7 +351,7 @@ def synthetic_log(path: Path, num_events: int, seqs: int = 8, clean: bool = True
 
     out += pack({"magic": schema.MAGIC, "schema_version": schema.SCHEMA_VERSION, "t0_ns": 0})
     for q in range(seqs):
-        emit("request_added", 0, q, [1, 2, 3], 0.0, q, 1 << 30, True, [])
+        emit("request_added", 0, q, [1, 2, 3], 0.0, q, 1 << 30, True, [], 0)
     t = step = 0
     while sum(counts.values()) < num_events:
         offsets.append([step, len(out)])
@@ -515,7 +519,7 @@ def test_length_claims_within_the_limits_beyond_the_end_are_a_cut(tmp_path, clai
 @pytest.mark.parametrize("data, words", [
     (msgpack.packb({"magic": "other", "schema_version": 1}), "wrong magic"),
     (msgpack.packb([1, 2, 3]), "wrong magic"),
-    (msgpack.packb({"magic": schema.MAGIC, "schema_version": 3}), "schema version 3; this mdi-trace reads versions 1 and 2"),
+    (msgpack.packb({"magic": schema.MAGIC, "schema_version": 4}), "schema version 4; this mdi-trace reads versions 1, 2 and 3"),
     (msgpack.packb({"magic": schema.MAGIC}), "schema version None"),
     (b"\xc1garbage", "no readable header"),
     (b"", "empty"),
@@ -647,7 +651,7 @@ def test_every_event_field_of_the_wrong_type_is_one_sentence_naming_it(tmp_path)
 
 def test_an_int_temperature_reads_and_a_bool_is_never_an_int(tmp_path):
     path = tmp_path / "log.mdt"
-    added = [schema.KIND["request_added"], 0, 0, [1, 2], 0, 7, 4, False, []]   # temperature=0, as SamplingParams(0)
+    added = [schema.KIND["request_added"], 0, 0, [1, 2], 0, 7, 4, False, [], 0]   # temperature=0, as SamplingParams(0)
     path.write_bytes(HEADER + msgpack.packb(added) + TOKEN)
     assert [e.kind for e in TraceFile(path).events()] == ["request_added", "token"]
     path.write_bytes(HEADER + msgpack.packb([schema.KIND["token"], 1, 0, True, 0, 5, 7, True]))

@@ -13,7 +13,9 @@ What a consumer gets is a typed record per event (tracing/schema.py RECORDS: `Sc
 NamedTuple of its kind's fields by name, plus `offset`, the byte it starts at; a schedule event's rows are
 `Row`s), from `events()` and `event_at()`; `objects()` gives the raw arrays, for the index's columnar scan. A
 version-1 log is read as version 2: its arrays are laid out alike and only names changed, so the one value to
-convert is an epoch bump's reason code (by name, V1_EPOCH_REASONS to EPOCH_REASONS).
+convert is an epoch bump's reason code (by name, V1_EPOCH_REASONS to EPOCH_REASONS). A version-1 or version-2 log
+is read as version 3: its request_added and cancel events are checked with the fields they had, then get the one
+field version 3 appended to each (V3_APPENDED: a request's arrival is its `t`, a cancellation's cause "abort").
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from typing import Iterator, NoReturn
 import msgpack
 
 from tracing.schema import ENGINE_LEAST, ENGINE_TYPES, EPOCH_REASONS, EVENT_TYPES, EVENTS, HEADER_TYPES, KIND, \
-    MAGIC, PLATFORM_TYPES, READ_VERSIONS, RECORDS, ROW_FIELDS, TRAILER_SIZE, TRAILER_TAG, \
-    V1_EPOCH_REASONS, V1_REASON_RENAMED, Event, Row
+    MAGIC, PLATFORM_TYPES, READ_VERSIONS, READ_VERSIONS_TEXT, RECORDS, ROW_FIELDS, SCHEMA_VERSION, TRAILER_SIZE, TRAILER_TAG, \
+    V1_EPOCH_REASONS, V1_REASON_RENAMED, V3_APPENDED, Event, Row
 
 FOOTER, SCHEDULE, EPOCH_BUMP = KIND["footer"], KIND["schedule"], KIND["epoch_bump"]
 _ROWS_AT = EVENTS[SCHEDULE][1].index("rows")                  # in a record (the array's index less one)
@@ -69,15 +71,22 @@ def _either(types: tuple[type, ...]) -> str:
 
 
 _FIELD_TYPES = {code: tuple(map(_types, EVENT_TYPES[code])) for code in EVENTS}
+# kind code -> (array index of the field version 3 appended, the array index it is copied from or a constant)
+_APPENDED = {KIND[kind]: (EVENTS[KIND[kind]][1].index(field) + 1,
+                          EVENTS[KIND[kind]][1].index(source) + 1 if isinstance(source, str) else None, source)
+             for kind, (field, source) in V3_APPENDED.items()}
+assert all(at == len(EVENTS[code][1]) for code, (at, _, _) in _APPENDED.items()), "version 3 appends at the end"
 
 
-def _event_check(code: int):
+def _event_check(code: int, old: bool = False):
     """A function of a decoded object that says whether it is a well-formed event of kind `code`: a list of
     an int (the kind code) and the kind's fields, each of the top-level type EVENT_TYPES gives it. Written out
     as one expression per kind (`f0.__class__ is int and ...`: about 3x faster than comparing `map(type, obj)`
     with a signature; the index's scan checks millions of events). A list of another length raises
-    ValueError, which callers count as False."""
-    names = [f"f{i}" for i in range(len(EVENT_TYPES[code]))]
+    ValueError, which callers count as False. `old`: as a version-1 or version-2 log has it, without the field
+    version 3 appended."""
+    count = len(EVENT_TYPES[code]) - (old and code in _APPENDED)
+    names = [f"f{i}" for i in range(count)]
     tests = ["k.__class__ is int"] + [
         "(" + " or ".join(f"{name} is None" if t is type(None) else f"{name}.__class__ is {t.__name__}"
                           for t in types) + ")"
@@ -92,8 +101,9 @@ def _event_check(code: int):
     return namespace["check"]
 
 
-# kind code -> its check, built once
+# kind code -> its check, built once; and as versions 1 and 2 have it
 _CHECKS = {code: _event_check(code) for code in EVENTS}
+_OLD_CHECKS = {code: _event_check(code, old=True) for code in EVENTS}
 _HEADER_TYPES = {name: _types(spec) for name, spec in HEADER_TYPES.items()}
 _MAP_TYPES = {"engine": {k: _types(v) for k, v in ENGINE_TYPES.items()},
               "platform": {k: _types(v) for k, v in PLATFORM_TYPES.items()}}
@@ -131,17 +141,23 @@ def record(obj: list, offset: int | None, path="the log") -> Event:
     return cls(*fields, offset)
 
 
-def _from_v1(objects: Iterator[tuple[int, list]]) -> Iterator[tuple[int, list]]:
-    """A version-1 log's (offset, event array) pairs as version 2 writes them: an epoch bump's reason code mapped
-    by name (a code outside V1_EPOCH_REASONS is left for verify to report)."""
+def _upgrade(objects: Iterator[tuple[int, list]], version: int) -> Iterator[tuple[int, list]]:
+    """A version-1 or version-2 log's (offset, event array) pairs as version 3 writes them: a version-1 epoch
+    bump's reason code mapped by name (a code outside V1_EPOCH_REASONS is left for verify to report), and the
+    field version 3 appended to request_added and cancel events (`_APPENDED`)."""
+    appended, v1 = _APPENDED, version == 1
     for start, obj in objects:
-        if obj[0] == EPOCH_BUMP and 0 <= obj[_REASON_AT] < len(_V1_REASON):
+        code = obj[0]
+        if code in appended:
+            _, source, value = appended[code]
+            obj.append(obj[source] if source is not None else value)
+        elif v1 and code == EPOCH_BUMP and 0 <= obj[_REASON_AT] < len(_V1_REASON):
             obj[_REASON_AT] = _V1_REASON[obj[_REASON_AT]]
         yield start, obj
 
 
 class TraceFile:
-    """One log: `header`, `version` (its schema version, 1 or 2: every event is served as version 2),
+    """One log: `header`, `version` (its schema version, 1, 2 or 3: every event is served as version 3),
     `footer` (a Footer record, None if cut short), `cut` (None if clean; set once `events()` or `objects()`
     has read to the end), `events()`, `event_at(offset)`."""
 
@@ -190,7 +206,7 @@ class TraceFile:
             raise TraceError(f"{self.path} has a damaged header: schema_version is {_a(version)}, not an int.")
         if version not in READ_VERSIONS:
             raise TraceError(f"{self.path} has schema version {version!r}; this mdi-trace reads versions "
-                             f"{' and '.join(map(str, READ_VERSIONS))}, so open it with the mdi-trace that wrote it.")
+                             f"{READ_VERSIONS_TEXT}, so open it with the mdi-trace that wrote it.")
         _check_header(header, self.path)
         return header, u.tell()
 
@@ -223,16 +239,16 @@ class TraceFile:
         """(byte offset, event array `[kind, *fields]`) of every complete event from `offset` (default:
         the first), each checked for a known kind, its field count and the top-level type of each field
         (tracing/schema.py EVENT_TYPES), through one streaming unpacker (the index's fast path), laid out as
-        version 2 (a version-1 log converted). Stops before the footer. At the end sets `cut` if the log has
+        version 3 (an older log converted, `_upgrade`). Stops before the footer. At the end sets `cut` if the log has
         no clean end; raises TraceError on a malformed event, and on an object that claims more than `LIMITS`
         allow, even one the file ends inside (an object merely cut by the end of the file is the cut)."""
         objects = self._objects(offset)
-        return _from_v1(objects) if self.version == 1 else objects
+        return objects if self.version == SCHEMA_VERSION else _upgrade(objects, self.version)
 
     def _objects(self, offset: int | None) -> Iterator[tuple[int, list]]:
         base = start = fed = self.body_offset if offset is None else offset
         end = self.footer_offset if self.clean else len(self.data)
-        u, count, checks = _unpacker(), 0, _CHECKS
+        u, count, checks = _unpacker(), 0, _CHECKS if self.version == SCHEMA_VERSION else _OLD_CHECKS
         while True:
             try:
                 obj = u.unpack()
@@ -249,7 +265,7 @@ class TraceFile:
             except (IndexError, KeyError, TypeError, ValueError):
                 good = False
             if not good:
-                _refuse(obj, self.path, start)
+                _refuse(obj, self.path, start, checks is _OLD_CHECKS)
             if obj[0] == FOOTER:  # a footer with its trailer cut short
                 rest = self.data[base + u.tell():]
                 if self.clean or len(rest) >= TRAILER_SIZE or rest[:1] not in (b"", bytes([TRAILER_TAG])):
@@ -305,9 +321,11 @@ class TraceFile:
                 fed, window = self._feed(u, fed, min(fed + window, end), offset), min(window * 2, CHUNK)
             except Exception as e:
                 raise TraceError(f"{self.path} is damaged at byte {offset} ({_why(e)}).") from None
-        _check_event(obj, self.path, offset)
-        if self.version == 1:
-            obj = next(_from_v1(iter([(offset, obj)])))[1]
+        if self.version == SCHEMA_VERSION:
+            _check_event(obj, self.path, offset)
+        else:
+            _check_event(obj, self.path, offset, _OLD_CHECKS)
+            obj = next(_upgrade(iter([(offset, obj)]), self.version))[1]
         return record(obj, offset, self.path)
 
 
@@ -391,21 +409,24 @@ def _overclaim(data, start: int, end: int) -> tuple[int, str] | None:
     return None
 
 
-def _check_event(obj, path, offset) -> int:
+def _check_event(obj, path, offset, checks=_CHECKS) -> int:
     """The kind code of a well-formed event array; TraceError for anything else."""
     try:
-        if _CHECKS[obj[0]](obj):
+        if checks[obj[0]](obj):
             return obj[0]
     except (IndexError, KeyError, TypeError, ValueError):
         pass
-    _refuse(obj, path, offset)
+    _refuse(obj, path, offset, checks is _OLD_CHECKS)
 
 
-def _refuse(obj, path, offset) -> NoReturn:
-    """The TraceError of one sentence for an object that is not a well-formed event."""
+def _refuse(obj, path, offset, old: bool = False) -> NoReturn:
+    """The TraceError of one sentence for an object that is not a well-formed event (`old`: of a version-1 or
+    version-2 log, whose request_added and cancel events lack version 3's last field)."""
     if type(obj) is not list or not obj or type(obj[0]) is not int or obj[0] not in EVENTS:
         raise TraceError(f"{path} is damaged at byte {offset}: not an event.")
     name, fields = EVENTS[obj[0]]
+    if old and obj[0] in _APPENDED:
+        fields = fields[:-1]
     if len(obj) != len(fields) + 1:
         raise TraceError(f"{path} is damaged at byte {offset}: a {name} event with {len(obj) - 1} fields, "
                          f"expected {len(fields)}.")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import msgpack
 
-from tracing.schema import BATCH_KINDS, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, MAGIC, PHASES, ROW_FIELDS, \
+from tracing.schema import BATCH_KINDS, CANCEL_CAUSES, EPOCH_REASONS, EVENTS, FINISH_REASONS, KIND, MAGIC, PHASES, ROW_FIELDS, \
     SCHEMA_VERSION, TRAILER_TAG
 
 _now_ns = time.perf_counter_ns
@@ -99,9 +99,10 @@ class Recorder:
         self.buf += self.packer.pack(full)  # written with the first step
         self.started = True
 
-    def request_added(self, seq_id, prompt_token_ids, params, seed):
-        self._emit("request_added", self._now(), seq_id, list(prompt_token_ids), params.temperature, seed,
-                   params.max_tokens, params.ignore_eos, list(params.stop_token_ids))
+    def request_added(self, seq_id, prompt_token_ids, params, seed, arrival_ns=None):  # None: it arrived now
+        t = self._now()
+        self._emit("request_added", t, seq_id, list(prompt_token_ids), params.temperature, seed, params.max_tokens,
+                   params.ignore_eos, list(params.stop_token_ids), t if arrival_ns is None else arrival_ns - self.t0)
 
     def schedule(self, batch):
         self.pending_schedules.append((len(self.pending), batch.step))
@@ -131,8 +132,8 @@ class Recorder:
     def preempt(self, step, seq_id):
         self._emit("preempt", self._now(), step, seq_id)
 
-    def cancel(self, step, seq_id):
-        self._emit("cancel", self._now(), step, seq_id)
+    def cancel(self, step, seq_id, cause="abort"):
+        self._emit("cancel", self._now(), step, seq_id, CANCEL_CAUSES.index(cause))
 
     def token(self, step, seq_id, epoch, position, token_id, appended):  # once per row, as reservation
         self.pending.append([_TOKEN, _now_ns() - self.t0, step, seq_id, epoch, position, token_id, bool(appended)])

@@ -30,7 +30,7 @@ from engine import scheduler, sequence
 from model.config import BLOCK_SIZE
 
 from tracing.reader import Cut, TraceError, TraceFile
-from tracing.schema import BATCH_KINDS, ROW_FIELDS, Event
+from tracing.schema import BATCH_KINDS, CANCEL_CAUSES, ROW_FIELDS, Event
 
 
 @dataclass(slots=True)
@@ -120,7 +120,8 @@ class _Replay:
         step, s = e.step, e.seq_id
         if step != self.scheduler.step:
             return self.differ(s, "cancel step", step, self.scheduler.step, step)
-        if self.scheduler.abort(s) is None:  # the engine writes a cancel only for a live request
+        cause = CANCEL_CAUSES[e.cause] if 0 <= e.cause < len(CANCEL_CAUSES) else "abort"  # verify names a bad one
+        if self.scheduler.abort(s, cause) is None:  # the engine writes a cancel only for a live request
             return self.differ(s, "cancel", "a live request", "no unfinished request", step)
         self.result.cancellations += 1
 

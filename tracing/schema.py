@@ -2,6 +2,10 @@
 the reader, verify, the exporters and tracing/SCHEMA.md (a test checks that the document and this
 module agree).
 
+Version 3 (issue #19) appends what a latency question needs: a request's `arrival` (when it reached the
+engine's front door: the HTTP request, or its replayed arrival time; at or before `t`, when the engine took it in
+between two steps) and a cancellation's `cause`. Older logs are read as version 3 (below).
+
 A log is a msgpack stream: a header map, then events, each a positional array `[kind, *fields]`
 (positional, not string-keyed, so hot events stay small), then a footer event. Times are nanoseconds
 since the header's `t0_ns` (time.perf_counter_ns of the recording process).
@@ -9,20 +13,22 @@ since the header's `t0_ns` (time.perf_counter_ns of the recording process).
 Readers never index an event by position: the reader yields one typed record per event, a NamedTuple made
 here from EVENTS (`RECORDS`, `Schedule`, `Token`, ...), whose fields are the schema's names, plus the byte
 `offset` the event starts at; a schedule event's rows are `Row`s. Version-1 logs are read too, converted to
-version 2 as they are read (`V1_RENAMED`, `V1_EPOCH_REASONS`).
+version 2 as they are read (`V1_RENAMED`, `V1_EPOCH_REASONS`), and version-1 and version-2 logs to version 3
+(`V3_APPENDED`).
 """
 from __future__ import annotations
 
 from collections import namedtuple
 
 MAGIC = "mdi-trace"
-SCHEMA_VERSION = 2
-READ_VERSIONS = (1, 2)   # the versions the reader reads: version 1 converted (below)
+SCHEMA_VERSION = 3
+READ_VERSIONS = (1, 2, 3)   # the versions the reader reads: versions 1 and 2 converted (below)
+READ_VERSIONS_TEXT = ", ".join(map(str, READ_VERSIONS[:-1])) + f" and {READ_VERSIONS[-1]}"   # "1, 2 and 3"
 
 # kind code -> (name, field names). The field order is the array order after the kind code.
 EVENTS: dict[int, tuple[str, tuple[str, ...]]] = {
     0: ("request_added", ("t", "seq_id", "prompt_token_ids", "temperature", "seed", "max_tokens", "ignore_eos",
-                          "stop_token_ids")),
+                          "stop_token_ids", "arrival")),
     1: ("schedule", ("t", "step", "batch_kind", "rows", "preempted")),
     2: ("reservation", ("t", "step", "seq_id", "epoch", "output_position")),
     3: ("epoch_bump", ("t", "seq_id", "epoch", "reason")),
@@ -31,7 +37,7 @@ EVENTS: dict[int, tuple[str, tuple[str, ...]]] = {
     6: ("slot_alloc", ("t", "seq_id", "state_slot")),
     7: ("slot_free", ("t", "seq_id", "state_slot")),
     8: ("preempt", ("t", "step", "seq_id")),
-    9: ("cancel", ("t", "step", "seq_id")),
+    9: ("cancel", ("t", "step", "seq_id", "cause")),
     10: ("token", ("t", "step", "seq_id", "epoch", "position", "token_id", "appended")),
     11: ("finish", ("t", "step", "seq_id", "reason")),
     12: ("cpu_span", ("step", "phase", "start", "end")),
@@ -48,6 +54,9 @@ BATCH_KINDS = ("prefill", "decode")
 PHASES = ("schedule", "execute", "process")
 EPOCH_REASONS = ("preempt", "cancel")   # what bumped the epoch: a preemption, or a cancellation (engine.abort)
 FINISH_REASONS = ("stop", "length", "abort")  # a cancelled request finishes with "abort"
+# why a request was cancelled: `abort(seq_id)` called by the user (LLMEngine.abort, record's drawn cancellations),
+# its client disconnected (serve), or the engine shut down with it unfinished (SIGINT/SIGTERM, serve's cancel)
+CANCEL_CAUSES = ("abort", "disconnect", "shutdown")
 
 # Version 1 differs from version 2 in names only: the same kinds, codes, field order and types. Its names that
 # changed (event kind -> {version-1 field: version-2 field}) and its epoch reasons, which the reader maps by name
@@ -56,6 +65,10 @@ V1_RENAMED = {"schedule": {"kind": "batch_kind"}, "slot_alloc": {"slot": "state_
               "slot_free": {"slot": "state_slot"}}
 V1_EPOCH_REASONS = ("preempt", "abort")
 V1_REASON_RENAMED = {"abort": "cancel"}
+# Version 3 appended one field to two kinds, which a version-1 or version-2 event gets as the reader converts it:
+# kind -> (the field, where its value comes from). A request arrived when it was added (its `t`); a cancellation
+# was the user's abort.
+V3_APPENDED = {"request_added": ("arrival", "t"), "cancel": ("cause", CANCEL_CAUSES.index("abort"))}
 
 # The type of every field, written as SCHEMA.md writes it: int, float, bool, str, nil, map (str keys), list[...],
 # map[...], and "A or B" for either. An int is never a bool (msgpack keeps them apart). The reader checks the
@@ -63,7 +76,7 @@ V1_REASON_RENAMED = {"abort": "cancel"}
 # values below (what lists and maps hold is the consumers' to check, except argv's items and the header maps'
 # keys); a header field may be absent (old logs lack some), except magic and schema_version.
 EVENT_TYPES: dict[int, tuple[str, ...]] = {
-    0: ("int", "int", "list[int]", "float or int", "int", "int", "bool", "list[int]"),
+    0: ("int", "int", "list[int]", "float or int", "int", "int", "bool", "list[int]", "int"),
     1: ("int", "int", "int", "list[row]", "list[int]"),
     2: ("int", "int", "int", "int", "int"),
     3: ("int", "int", "int", "int"),
@@ -72,7 +85,7 @@ EVENT_TYPES: dict[int, tuple[str, ...]] = {
     6: ("int", "int", "int"),
     7: ("int", "int", "int"),
     8: ("int", "int", "int"),
-    9: ("int", "int", "int"),
+    9: ("int", "int", "int", "int"),
     10: ("int", "int", "int", "int", "int", "int", "bool"),
     11: ("int", "int", "int", "int"),
     12: ("int", "int", "int", "int"),

@@ -49,7 +49,8 @@ that state:
    is written) never decrease in log order; a span ends at or after it starts; the CPU spans (one host
    thread, one phase at a time) and the device spans (one device, steps in FIFO order) each follow one
    another without overlap, the device's in step order. A CPU span is written after later events (the
-   schedule span after the step's schedule events), so its start is compared only with earlier spans.
+   schedule span after the step's schedule events), so its start is compared only with earlier spans. A
+   request arrives (`arrival`) at or before it is added, and a cancellation names a known cause.
 
 A log cut short is checked up to its last complete event; the result then holds one note (a Finding with
 `violation=False`) that says so, and no end-of-run findings: `mdi-trace verify` exits 0 unless a finding is
@@ -84,7 +85,7 @@ from dataclasses import dataclass, field
 from engine.step import tables_digest
 from model.config import cdiv
 from tracing.reader import TraceFile
-from tracing.schema import BATCH_KINDS, EPOCH_REASONS, FINISH_REASONS, PHASES, Event, Row
+from tracing.schema import BATCH_KINDS, CANCEL_CAUSES, EPOCH_REASONS, FINISH_REASONS, PHASES, Event, Row
 
 SHARED_HEADER = ("checkpoint_digest", "model", "model_source", "dtype", "engine", "seed", "torch", "intra_op_threads")
 RELEASE_EVENTS = ("epoch_bump", "block_free", "slot_free", "finish")  # what may follow a cancel (Scheduler.abort)
@@ -339,6 +340,8 @@ class Verifier:
         s, prompt_token_ids = e.seq_id, e.prompt_token_ids
         if s in self.reqs:
             self.fail(s, "request added twice")
+        if e.arrival > e.t:
+            self.fail(s, f"request added at {e.t} ns before it arrived at {e.arrival} ns")
         if s % self.world_size != self.rank:
             self.fail(s, f"request {s} added on rank {self.rank} of {self.world_size}, whose request ids are "
                          f"{self.rank} mod {self.world_size}")
@@ -471,6 +474,8 @@ class Verifier:
         self.freeing = None
 
     def on_cancel(self, e) -> None:
+        if not 0 <= e.cause < len(CANCEL_CAUSES):
+            self.fail(e.seq_id, f"cancellation with an unknown cause {e.cause!r}")
         if self.live(e.seq_id) is not None:
             self.cancelling = e.seq_id
 

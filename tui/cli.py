@@ -2,7 +2,8 @@
 
 Exit codes: 0 success, 1 a finding, 2 bad usage or unreadable input. Every error a user can meet is
 one sentence on stderr, never a traceback. Subcommands: `checkpoint init|quantize`, `generate` (random
-prompts through the engine, a smoke run), `record` (a run under the Recorder, `--nproc N` for EP x DP),
+prompts through the engine, a smoke run), `record` (a run under the Recorder, `--nproc N` for EP x DP), `serve`
+(an OpenAI-compatible server, tui/serve.py),
 and of a trace: `info`, `export`, `verify`, `view` (tui/app.py), `check` and `diff` (tui/check.py).
 """
 from __future__ import annotations
@@ -194,13 +195,13 @@ TRACE_HELP = "a log, one rank's log, or the OUT of `record --nproc N` (every ran
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    from tracing.schema import READ_VERSIONS, SCHEMA_VERSION
+    from tracing.schema import READ_VERSIONS_TEXT, SCHEMA_VERSION
     try:
         v = version("mini-deepinfer")
     except PackageNotFoundError:  # run from a checkout that was never installed
         v = "unknown"
     return (f"mdi-trace {v} (mini-DeepInfer; writes trace schema version {SCHEMA_VERSION}, reads versions "
-            f"{' and '.join(map(str, READ_VERSIONS))})")
+            f"{READ_VERSIONS_TEXT})")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -233,6 +234,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="sampling temperature (0: greedy)")
     gen.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the random prompts")
     _record_parser(sub)
+    __import__("tui.serve").serve.add_parser(sub)
     info = sub.add_parser("info", help="a trace's header and summary, and whether it was cut short")
     info.add_argument("trace", help=TRACE_HELP)
     view = sub.add_parser("view", help="the trace viewer: timeline, steps, requests, resources, events (a TUI)")
@@ -692,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commands = {"checkpoint": _checkpoint, "generate": _generate, "info": _info, "export": _export,
                 "verify": _verify, "check": _check, "diff": _diff, "record": lambda a: _record(a, argv),
+                "serve": lambda a: __import__("tui.serve").serve.serve(a, argv),
                 "view": lambda a: __import__("tui.app").app.run_view(a.trace, a.follow, a.verify)}
     try:
         _check_options(a)
