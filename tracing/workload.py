@@ -168,10 +168,10 @@ def run(engine, workload: Workload, stop: Callable[[], bool] = lambda: False,
 
 
 def cancel_all(engine) -> None:
-    """Cancel every unfinished request, then one step applies the cancellations and processes the step in
-    flight."""
+    """Cancel every unfinished request (cause "shutdown": the run was stopped), then one step applies the
+    cancellations and processes the step in flight."""
     for seq_id in list(engine.scheduler.seqs):
-        engine.abort(seq_id)
+        engine.abort(seq_id, "shutdown")
     engine.step()
 
 
