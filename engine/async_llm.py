@@ -139,7 +139,7 @@ class AsyncLLM:
             leftover, self.inbox = self.inbox, []
         for message in leftover:  # requests queued while the engine stopped: never started
             if message[0] == "add":
-                message[1].on_output(Output([], "abort"))
+                self._hand(message[1], Output([], "abort"))
         try:
             engine.shutdown()
         except Exception as e:
@@ -176,10 +176,20 @@ class AsyncLLM:
                 stream.sent += len(new)
                 if seq_id in done:
                     self._finish(stream, seq.finish_reason, new)
-                else:
-                    stream.on_output(Output(new))
+                elif not self._hand(stream, Output(new)):
+                    self.engine.abort(seq_id, "disconnect")  # nobody takes its tokens any more
 
     def _finish(self, stream: Stream, reason: str, new: list[int] | None = None) -> None:
         stream.finished = True
         del self.streams[stream.seq_id]
-        stream.on_output(Output(new or [], reason))
+        self._hand(stream, Output(new or [], reason))
+
+    @staticmethod
+    def _hand(stream: Stream, out: Output) -> bool:
+        """`on_output(out)`; False if it raised (its receiver is gone: a server's closed event loop), which
+        never stops the engine."""
+        try:
+            stream.on_output(out)
+            return True
+        except Exception:
+            return False
