@@ -18,9 +18,13 @@ index keeps, per event. "View": the peak RSS of the whole headless app run above
 lines). `--hostile` measures `mdi-trace verify` and the index on the issue's 12.6 MB log: three block_alloc
 events naming 4M block ids each (a pool of 64 blocks). `--minimal N` also writes a log of N minimal events
 (4-byte step_digest events, the smallest there is) and measures the index on it, the worst case per byte.
+"Open": the peak RSS of what `mdi-trace view` does to open a log, without Textual: `RunModel.check_memory`, then
+`RunModel.load` with this machine's budget (a big index spills to MDI_CACHE, tracing/spill.py), then what the views
+ask on their first draw (the Events view's list of every event, the first step's detail, its owners, the
+Overview, every request's line). `--open` measures it on the minimal log and on each `--events` log.
 
 Usage: python benchmarks/bench_view.py [--events 1000000 10000000] [--dir /tmp] [--no-keys] [--hostile]
-       [--minimal 50000000]
+       [--minimal 50000000] [--open]
 """
 from __future__ import annotations
 
@@ -178,6 +182,22 @@ def child(what: str, path: str) -> dict:
     if what == "view":
         r = asyncio.run(measure(Path(path)))
         return {**r, "peak": rss()}
+    if what == "open":   # the viewer's open without Textual: its data model, and the first draw of each view
+        from tui.data import RunModel
+        from tui.format import EventFilter
+        t = time.perf_counter()
+        run = RunModel(path)
+        run.check_memory()
+        run.load()
+        m = run.models[0]
+        loaded = time.perf_counter() - t
+        shown = m.filtered(EventFilter())
+        lines = [m.event_line(int(i)) for i in shown[:48]] + m.step_detail(0) + [m.request_line(k) for k in
+                                                                                  range(len(m.seq_ids))]
+        m.owners(0)
+        m.overview()
+        return {"events": len(m.index), "spilled": m.index.spilled, "loaded": loaded, "lines": len(lines),
+                "shown": len(shown), "seconds": time.perf_counter() - t, "peak": rss()}
     raise SystemExit(f"unknown measurement {what}")
 
 
@@ -236,6 +256,15 @@ async def measure(path: Path) -> dict:
     return {"first_paint": app.first_paint, "indexed": app.loaded_at, "keys": keys}
 
 
+def report_open(path: Path, label: str) -> dict:
+    r = in_child("open", path)
+    size = path.stat().st_size
+    print(f"  open of {label} ({r['events']:,} events, {size:,} bytes = {size / 2**20:,.0f} MiB): peak RSS "
+          f"{mb(r['peak'])}, {'spilled to disk' if r['spilled'] else 'in memory'}; loaded in {r['loaded']:.1f} s, "
+          f"the views' first lines by {r['seconds']:.1f} s ({r['shown']:,} events listed)")
+    return r
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         print(json.dumps(child(sys.argv[2], sys.argv[3])))
@@ -246,6 +275,7 @@ def main() -> None:
     p.add_argument("--no-keys", action="store_true", help="memory only: the index, not the app")
     p.add_argument("--hostile", action="store_true", help="verify and the index on the issue's hostile log")
     p.add_argument("--minimal", type=int, default=0, help="also index a log of this many 4-byte events")
+    p.add_argument("--open", action="store_true", help="the viewer's open (its data model), not the index alone")
     a = p.parse_args()
     cpu = f"{platform.machine()}, {os.cpu_count()} cores"
     if a.hostile:
@@ -260,7 +290,10 @@ def main() -> None:
         if not path.exists():
             minimal(path, a.minimal)
         print(f"minimal log ({path.stat().st_size / 1e6:,.0f} MB):")
-        report_index(path, "the minimal log")
+        if a.open:
+            report_open(path, "the minimal log")
+        else:
+            report_index(path, "the minimal log")
     for n in a.events:
         path = Path(a.dir) / f"bench-view-{n}.mdt"
         if not path.exists():
@@ -268,6 +301,9 @@ def main() -> None:
             synthesize(path, n)
             print(f"wrote {path} ({path.stat().st_size >> 20} MiB) in {time.perf_counter() - t:.1f} s")
         print(f"\n{n:,} events ({path.stat().st_size / 1e6:,.0f} MB), CPU {cpu}")
+        if a.open:
+            report_open(path, f"{n:,} events")
+            continue
         ix = report_index(path, f"{n:,} events")
         if a.no_keys:
             continue

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model.config import ConfigError, ModelArgs, preset
+from model.config import ConfigError, ModelArgs, cache_dir, preset
 from model.quant import quantize_fp8_e8m0
 
 CONFIG_FILE = "config.json"
@@ -211,13 +211,6 @@ def _read_tensor(f, weights: Path, name: str, shape, dtype: torch.dtype) -> torc
 
 
 # ---- the default checkpoint (a user cache) --------------------------------------------------------
-def cache_dir() -> Path:
-    """$MDI_CACHE, else $XDG_CACHE_HOME/mini-deepinfer, else ~/.cache/mini-deepinfer."""
-    if os.environ.get("MDI_CACHE"):
-        return Path(os.environ["MDI_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mini-deepinfer"
-
-
 def parameter_specs(args: ModelArgs) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(name, shape, dtype) of every parameter of `model.transformer.Transformer(args)`, in its
     `named_parameters` order, from a build on the meta device (no memory). Built under the bf16 default

@@ -1,4 +1,5 @@
-"""Model configuration (mirrors `ModelArgs` of DeepSeek's inference/model.py), the layer roles, and the presets.
+"""Model configuration (mirrors `ModelArgs` of DeepSeek's inference/model.py), the layer roles, the presets, and
+the project's cache folder (`cache_dir`, torch-free: the trace viewer spills a big index there).
 
 Mirrors `ModelArgs` in DeepSeek's inference/model.py (spec §1.1); the field names are the keys of the
 official `inference/config.json`, so a config file reads in both codebases. Vision and DSpark fields are
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,3 +271,11 @@ def engram_primes(args: ModelArgs) -> tuple[tuple[int, ...], ...]:
             drawn.append(candidate)
         candidate += 1
     return tuple(tuple(drawn[i:i + n_cols]) for i in range(0, len(drawn), n_cols))
+
+
+def cache_dir() -> Path:
+    """The project's cache (checkpoints, a big log's spilled index): $MDI_CACHE, else
+    $XDG_CACHE_HOME/mini-deepinfer, else ~/.cache/mini-deepinfer."""
+    if os.environ.get("MDI_CACHE"):
+        return Path(os.environ["MDI_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mini-deepinfer"

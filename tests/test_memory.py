@@ -269,18 +269,121 @@ def test_an_event_of_4m_block_ids_costs_its_own_size(tmp_path):
     assert grown < 300 << 20, f"the index of one 4M-id event grew the process by {grown >> 20} MiB"
 
 
-# ---- a log too big for the memory there is ---------------------------------------------------------------
-def test_a_log_too_big_for_the_memory_available_is_refused_in_one_sentence(decode_200k, tmp_path):
-    """With a footer, before the scan (nothing indexed, no progress); without one (a log cut short, or still
-    being written), as soon as the scan has seen more events than the budget plans for. Either way one sentence
-    naming the log, its events and the memory; a budget that fits indexes it all."""
+# ---- a log too big for the memory there is: spilled to disk, or refused ---------------------------------
+def spill_here(monkeypatch, tmp_path, ram_limit: int = 0) -> Path:
+    """Make every index given a budget spill (above `ram_limit` planned bytes) to a cache of its own, sorting
+    small ranges and reading small blocks, so a small log goes through every branch of tracing/spill.py. Returns
+    the spill folder."""
+    import tracing.index as ix
+    import tracing.spill as sp
+    monkeypatch.setenv("MDI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ix, "RAM_LIMIT", ram_limit)
+    monkeypatch.setattr(sp, "GROUP_KEYS", 1000)    # ranges of at most 1000 positions (a step's 33 events fit)
+    monkeypatch.setattr(sp, "BLOCK", 777)
+    return tmp_path / "cache" / "index"
+
+
+def cache_mappings(folder: Path) -> list[str]:
+    """The process's mappings and descriptors of files in `folder` (nameless ones still show its path)."""
+    fds = Path("/proc/self/fd")
+    links = [str(p.readlink()) for p in fds.iterdir() if p.is_symlink()] if fds.exists() else []
+    maps = Path("/proc/self/maps").read_text().splitlines() if Path("/proc/self/maps").exists() else []
+    return [line for line in maps + links if str(folder) in line]
+
+
+def same_index(a: TraceIndex, b: TraceIndex) -> None:
+    for name in ("offset", "kind", "step", "seq_id", "t", "appended", "step_offsets", "_row_seq", "_sched_event"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    for table in ("steps", "resources"):
+        for name in type(getattr(a, table)).__slots__:
+            x, y = getattr(getattr(a, table), name), getattr(getattr(b, table), name)
+            assert x.dtype == y.dtype and np.array_equal(x, y), (table, name)
+    for group in ("_by_step", "_by_seq", "_rows_by_seq"):
+        for name in ("order", "values", "starts"):
+            x, y = getattr(getattr(a, group), name), getattr(getattr(b, group), name)
+            assert x.dtype == y.dtype and np.array_equal(x, y), (group, name)
+    for s in (-1, 0, 7, 48, 49, 10**6):
+        assert np.array_equal(a.events_of_step(s), b.events_of_step(s))
+        assert np.array_equal(a.events_of_step(s, "token"), b.events_of_step(s, "token"))
+    for q in (0, 3, 16, 17, 10**6):
+        assert np.array_equal(a.events_of_request(q), b.events_of_request(q))
+    for kind in ("schedule", "preempt", "finish"):
+        assert np.array_equal(a.events_of_kind(kind), b.events_of_kind(kind))
+        assert [a.next_of_kind(kind, k, f) for k in (-1, 0, 999, len(a)) for f in (True, False)] == \
+            [b.next_of_kind(kind, k, f) for k in (-1, 0, 999, len(a)) for f in (True, False)]
+    assert a.summary == b.summary and np.array_equal(a.request_ids(), b.request_ids())
+
+
+def test_a_log_over_the_memory_budget_is_spilled_to_disk_and_answers_the_same(decode_200k, tmp_path, monkeypatch):
+    """The index's columns, resource rows, batch rows and lookups go to nameless files in MDI_CACHE/index,
+    mapped: the same answers as in memory, the viewer's model over it too; nothing of it in memory but the step
+    table, and nothing left on disk or mapped once it is closed."""
+    from tracing.index import BYTES_PER_EVENT
+    from tui.data import TraceModel
+    from tui.format import EventFilter
+    path, n = decode_200k
+    small = tmp_path / "small.mdt"
+    decode_log(small, 6000)
+    whole, model = TraceIndex(TraceFile(small)), TraceModel(small)
+    model.load()
+    folder = spill_here(monkeypatch, tmp_path)
+    spilled, spilled_model = TraceIndex(TraceFile(small), budget=1 << 40), TraceModel(small)
+    spilled_model.load(budget=1 << 40)
+    assert spilled.spilled and not whole.spilled and spilled_model.index.spilled
+    assert spilled.memory < spilled.nbytes // 10 and spilled.nbytes == whole.nbytes == kept_bytes(whole)
+    assert cache_mappings(folder) and list(folder.iterdir()) == []    # in use, and no file has a name
+    same_index(whole, spilled)
+    for f in (EventFilter(), EventFilter(kinds=("token", "preempt")), EventFilter(seq_id=3), EventFilter(steps=(5, 9))):
+        assert np.array_equal(model.filtered(f), spilled_model.filtered(f))
+    for r in (0, 49, len(model.steps) - 1):
+        assert model.step_detail(r) == spilled_model.step_detail(r)
+        assert all(np.array_equal(x, y) for x, y in zip(model.owners(r), spilled_model.owners(r)))
+    for name in ("seq_ids", "request_tokens", "request_stale", "request_preemptions", "blocks_in_use", "slots_in_use"):
+        assert np.array_equal(getattr(model, name), getattr(spilled_model, name)), name
+    assert model.prompt_len == spilled_model.prompt_len and model.overview() == spilled_model.overview()
+    spilled.close()
+    del spilled, spilled_model, f
+    import gc
+    gc.collect()
+    assert cache_mappings(folder) == [] and list(folder.iterdir()) == []
+
+    # the 200k log with a budget under what it needs in memory (it was refused): spilled, and complete
+    import tracing.spill as sp
+    monkeypatch.setattr(sp, "GROUP_KEYS", 1 << 23)
+    monkeypatch.setattr(sp, "BLOCK", 1 << 20)
+    big = TraceIndex(TraceFile(path), budget=(n * BYTES_PER_EVENT) // 2 + (512 << 20))
+    assert big.spilled and len(big) == n   # and its footer's counts and step index agreed with the scan
+
+
+def test_a_log_without_a_footer_spills_once_its_scan_passes_the_limit(decode_200k, tmp_path, monkeypatch):
+    """A log cut short (or being written) is scanned into memory until its index is planned over RAM_LIMIT, then
+    into files: the same index as the one in memory."""
+    path, n = decode_200k
+    cut = tmp_path / "cut.mdt"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 8])
+    whole = TraceIndex(TraceFile(cut))
+    spill_here(monkeypatch, tmp_path, ram_limit=400_000)    # about the first 6000 events stay in memory
+    spilled = TraceIndex(TraceFile(cut), budget=1 << 40)
+    assert spilled.spilled and spilled.cut == whole.cut
+    same_index(whole, spilled)
+
+
+def test_a_log_too_big_for_memory_and_disk_is_refused_in_one_sentence(decode_200k, tmp_path, monkeypatch):
+    """Refused only when neither the memory nor the disk can hold its index: with a footer, before the scan
+    (nothing indexed, no progress); without one (a log cut short, or still being written), as soon as the scan has
+    seen more events than the budget plans for. Either way one sentence naming the log, its events, the memory
+    and the disk; a budget that fits indexes it all."""
+    import tracing.index as ix
     from tracing.index import BYTES_PER_EVENT, TooBig
     path, n = decode_200k
+    spill_here(monkeypatch, tmp_path, ram_limit=1 << 30)
+    monkeypatch.setattr(ix, "disk_free", lambda: 10 << 20)
     seen = []
     with pytest.raises(TooBig) as refused:
         TraceIndex(TraceFile(path), seen.append, budget=n * BYTES_PER_EVENT // 2)
     message = str(refused.value)
     assert not seen and f"it holds {n:,} events" in message and str(path) in message
+    assert "0.0 GiB of disk is free" in message and str(tmp_path / "cache") in message
     assert "\n" not in message and message.endswith(").")
 
     cut = tmp_path / "cut.mdt"
@@ -291,16 +394,93 @@ def test_a_log_too_big_for_the_memory_available_is_refused_in_one_sentence(decod
     assert len(TraceIndex(TraceFile(path), budget=n * BYTES_PER_EVENT + (1 << 20))) == n
 
 
-def test_view_says_a_log_is_too_big_before_it_starts(decode_200k, monkeypatch, capsys):
-    """`mdi-trace view` on a log whose footer counts more events than this machine's available memory can
-    index: exit 2 and one sentence, before Textual (or the terminal check) is reached."""
+def test_an_unwritable_or_full_cache_is_one_sentence(decode_200k, tmp_path, monkeypatch):
+    """MDI_CACHE naming a file, or the disk filling up mid-scan: a SpillError (a TraceError) in one sentence,
+    and no file of the spill left open or mapped."""
+    import errno
+    import tracing.spill as sp
+    path, _ = decode_200k
+    folder = spill_here(monkeypatch, tmp_path)
+    (tmp_path / "cache").write_text("not a folder")
+    with pytest.raises(sp.SpillError, match=r"could not be written to .*index \(.*\): free some disk space"):
+        TraceIndex(TraceFile(path), budget=1 << 40)
+    (tmp_path / "cache").unlink()
+    writes = []
+
+    def write(fd, data):
+        writes.append(len(data))
+        if len(writes) > 50:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+    real = sp.os.write
+    monkeypatch.setattr(sp.os, "write", write)
+    with pytest.raises(TraceError) as full:
+        TraceIndex(TraceFile(path), budget=1 << 40)
+    assert isinstance(full.value, sp.SpillError) and "No space left on device" in str(full.value)
+    assert "\n" not in str(full.value)
+    import gc
+    gc.collect()
+    assert cache_mappings(folder) == []
+
+
+OPEN = """
+import sys
+import tracing.index
+from tui.data import TraceModel
+def status(field):
+    return next(int(l.split()[1]) << 10 for l in open("/proc/self/status") if l.startswith(field + ":"))
+import tracing.spill
+tracing.index.RAM_LIMIT = int(sys.argv[2])
+tracing.spill.BLOCK = tracing.spill.GROUP_KEYS = 1 << 16   # the working set: blocks and ranges of 64k positions
+model = TraceModel(sys.argv[1])
+before = status("VmRSS")
+model.load(budget=1 << 40)
+print(len(model.index), int(model.index.spilled), status("VmHWM") - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
+def test_a_spilled_index_of_minimal_events_keeps_the_viewer_small(tmp_path):
+    """1M 4-byte events (the most a byte of log holds): in memory the viewer's model grows the process by ~47 MB
+    (47 bytes per event at its peak); spilled, by its working set (blocks of 64k positions here), in a fresh
+    process (VmHWM)."""
+    path = tmp_path / "minimal.mdt"
+    n = 1_000_000
+    pack = msgpack.Packer(use_bin_type=True).pack
+    with open(path, "wb") as f:
+        f.write(pack({"magic": MAGIC, "schema_version": SCHEMA_VERSION, "t0_ns": 0, "engine": {}}))
+        offset = f.tell()
+        f.write(pack([KIND["schedule"], 0, 0, 1, [], []]) + pack([KIND["step_digest"], 0, ""]) * n)
+        footer = f.tell()
+        f.write(pack([KIND["footer"], {"schedule": 1, "step_digest": n}, 1, [[0, offset]], True]))
+        f.write(bytes([TRAILER_TAG]) + footer.to_bytes(8, "big"))
+    out = subprocess.run([sys.executable, "-c", OPEN, str(path), "0"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120, env={**__import__("os").environ, "MDI_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    events, spilled, grown = map(int, out.stdout.split()[-3:])
+    assert events == n + 1 and spilled
+    assert grown < 16 << 20, f"the spilled index of {n:,} events grew the process by {grown >> 20} MiB"
+
+
+def test_view_says_a_log_is_too_big_before_it_starts(decode_200k, tmp_path, monkeypatch, capsys):
+    """`mdi-trace view` on a log whose footer counts more events than this machine's available memory and its
+    disk can index: exit 2 and one sentence, before Textual (or the terminal check) is reached. With the disk
+    free, the same log passes the check (its index will spill) and goes on to the terminal check."""
+    import tracing.index as ix
     import tui.data
     from tui.cli import main
     path, n = decode_200k
-    monkeypatch.setattr(tui.data, "available_memory", lambda: tui.data.MEMORY_MARGIN + 10 * n)
+    spill_here(monkeypatch, tmp_path, ram_limit=1 << 30)
+    monkeypatch.setattr(ix, "SPILL_MEMORY", 1 << 20)     # what a spilled index keeps in memory fits: ~3 MB
+    monkeypatch.setattr(tui.data, "available_memory", lambda: tui.data.MEMORY_MARGIN + 20 * n)
+    monkeypatch.setattr(ix, "disk_free", lambda: 1 << 20)
     assert main(["view", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mdi-trace:") and "too big to index" in err and len(err.splitlines()) == 1
+    monkeypatch.setattr(ix, "disk_free", lambda: 1 << 40)
+    assert main(["view", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a terminal" in err, err
 
 
 def test_available_memory_reads_the_machine_and_its_cgroup():

@@ -24,9 +24,19 @@ bytes can hold that many events, else joined from the pieces at the end. A looku
 int32 order and a CSR (the distinct values, where each starts in the order), built by sorting an int64 key
 (value << 32 | position) in place: no int64 argsort, no sorted copy. The pages of the mapped log that the
 scan or `event_at` read are handed back to the kernel (`madvise`; the page cache keeps them), so that a log
-read once does not stay resident. A damaged log raises the TraceError the one-pass build before raised. Given
-a `budget` of bytes, a log with more events than it plans for (BYTES_PER_EVENT each) raises TooBig instead of
-running the machine out of memory.
+read once does not stay resident. A damaged log raises the TraceError the one-pass build before raised.
+
+Given a `budget` of bytes (the viewer gives what the machine has free), an index planned (BYTES_PER_EVENT per
+event, BYTES_PER_RESOURCE per block or slot named) over the budget or over RAM_LIMIT is spilled to disk instead
+(tracing/spill.py): its columns, resource rows and batch rows' seq_ids are written chunk by chunk during the scan
+to nameless files in the cache (MDI_CACHE/index) and mapped read-only at its end, and its lookups by step and by
+request are sorted into such files a range of values at a time; every pass over a whole column then reads it a
+block at a time and hands the block's pages back. What stays in memory is the step table (BYTES_PER_STEP a step),
+the viewer's per-request tables (BYTES_PER_REQUEST) and the build's working set (SPILL_MEMORY): so a 1 GB log of
+250M 4-byte events, 8.5 GB of index, opens in the viewer under 2 GB. A clean log's footer decides before the scan;
+a log without one spills once its scan has seen that many events. The disk must hold planned_bytes (checked
+first; a full or unwritable cache is a SpillError, one sentence). TooBig (one sentence) only when neither the
+memory nor the disk can hold the index. Without a budget (the tools, the tests) the index is always in memory.
 """
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ import numpy as np
 
 from tracing.reader import TraceError, TraceFile
 from tracing.schema import EVENTS, FINISH_REASONS, KIND, PHASES, ROW_FIELDS, Event
+from tracing.spill import Column, Spill, blocks, disk_free, flatnonzero, groups, mapped, release, spill_folder, take
 from tracing.summary import Summary
 
 SCHEDULE, CPU_SPAN, DEVICE_SPAN, TOKEN = KIND["schedule"], KIND["cpu_span"], KIND["device_span"], KIND["token"]
@@ -53,6 +64,11 @@ BIG_LIST = 1 << 12                                           # block ids convert
 MIN_EVENT_BYTES = 4                                          # the smallest event: [14, 0, ""] (step_digest)
 BYTES_PER_EVENT = 64             # planned memory per event: the build's peak (~42-61) and what the viewer adds
 BYTES_PER_RESOURCE = 17          # and per KV block or state slot an event names (one resource row each)
+RAM_LIMIT = 1 << 30              # planned bytes above which an index given a budget spills to disk, whatever is free
+BYTES_PER_STEP = 128             # memory a spilled index still plans per step (its step table and lookups),
+BYTES_PER_REQUEST = 256          # per request (the viewer's tables of them),
+SPILL_MEMORY = 384 << 20         # and for the build's working set (tracing/spill.py's sort of one range of keys)
+DISK_MARGIN = 1 << 30            # disk left free beside a spilled index (planned as planned_bytes: an upper bound)
 
 
 def _position(fields: tuple[str, ...], *names: str) -> int:
@@ -139,10 +155,19 @@ class TraceIndex:
         """`progress(byte_offset)`, if given, is called every PROGRESS_EVERY events of the scan. `budget`, if
         given, is the bytes of memory the index may plan on: a log whose events would need more (BYTES_PER_EVENT
         each, BYTES_PER_RESOURCE per block or slot named) raises TooBig, before the scan when a clean footer
-        counts them, else as soon as the scan has seen that many."""
+        counts them, else as soon as the scan has seen that many. Above RAM_LIMIT planned bytes, or the budget,
+        the index spills to disk instead (`spilled`), if the disk has room: TooBig only when neither can hold it."""
         self.trace = trace
         b = _scan(trace, progress, budget)
-        self.cut = trace.cut
+        self._spill = b.spill      # None: every array in memory; else the big ones are mapped files (tracing/spill.py)
+        try:
+            self._build(b)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, b: _Build) -> None:
+        self.cut = self.trace.cut
         self.summary: Summary = b.summary     # the run's numbers (tracing/summary.py): the Overview's, info's
         self.offset, self.kind, self.step, self.seq_id, self.t, self.appended = b.columns()
         b.check(E_TWICE)  # the column errors first, then the step table's
@@ -151,30 +176,60 @@ class TraceIndex:
         self._row_seq = b.rows()                          # per batch row (all steps' rows in log order): seq_id
         b.check(None)
         del b
-        self._by_step = _Groups(self.step)
-        self._by_seq = _Groups(self.seq_id)
-        self._rows_by_seq = _Groups(self._row_seq)
-        self._sched_event = np.flatnonzero(self.kind == SCHEDULE)             # per step row: its event
+        self._by_step = _Groups(self.step, self._spill)
+        self._by_seq = _Groups(self.seq_id, self._spill)
+        self._rows_by_seq = _Groups(self._row_seq, self._spill)
+        self._sched_event = flatnonzero(self.kind, lambda k: k == SCHEDULE)   # per step row: its event
         self._row_end = np.cumsum(self.steps.rows, dtype=np.int64)            # per step row: where its rows end
-        self.step_offsets = self.offset[self._sched_event]
-        if trace.clean:
+        self.step_offsets = take(self.offset, self._sched_event)
+        if self.trace.clean:
             self._check_footer()
+
+    @property
+    def spilled(self) -> bool:
+        """Whether the index's big arrays are files on disk (mapped), not memory."""
+        return self._spill is not None
+
+    def close(self) -> None:
+        """Drop the arrays mapped from a spilled index's files: their disk space comes back once no other view of
+        them is alive (the files have no name, so none is left behind in any case). Nothing for an index in
+        memory; the index is unusable afterwards."""
+        if self._spill is None:
+            return
+        self._spill.close()
+        for obj in (self, getattr(self, "steps", None), getattr(self, "resources", None),
+                    *(getattr(self, g, None) for g in ("_by_step", "_by_seq", "_rows_by_seq"))):
+            for name in _arrays(obj):
+                a = getattr(obj, name)
+                if mapped(a) is not None:
+                    setattr(obj, name, np.zeros(0, a.dtype))
 
     def __len__(self) -> int:
         return len(self.offset)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the numpy arrays the index keeps (its columns, tables and lookups)."""
+    def _all_arrays(self) -> list[np.ndarray]:
         arrays = [self.offset, self.kind, self.step, self.seq_id, self.t, self.appended, self._row_seq,
                   self._sched_event, self._row_end, self.step_offsets]
         arrays += [getattr(tab, f) for tab in (self.steps, self.resources) for f in tab.__slots__]
-        return sum(a.nbytes for a in arrays) + sum(g.nbytes for g in (self._by_step, self._by_seq, self._rows_by_seq))
+        return arrays + [getattr(g, f) for g in (self._by_step, self._by_seq, self._rows_by_seq)
+                         for f in ("order", "values", "starts")]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the numpy arrays the index keeps (its columns, tables and lookups), in memory or mapped."""
+        return sum(a.nbytes for a in self._all_arrays())
+
+    @property
+    def memory(self) -> int:
+        """Bytes of those arrays that are in memory (all of them unless `spilled`)."""
+        return sum(a.nbytes for a in self._all_arrays() if mapped(a) is None)
 
     def _check_footer(self) -> None:
         footer = self.trace.footer
         counts, num_steps, step_offsets = footer.counts, footer.num_steps, footer.step_offsets
-        per_kind = np.bincount(self.kind, minlength=len(EVENTS))
+        per_kind = np.zeros(256, np.int64)
+        for _, block in blocks(self.kind):
+            per_kind += np.bincount(block, minlength=256)
         scanned = {EVENTS[k][0]: int(n) for k, n in enumerate(per_kind) if n and k in EVENTS}
         same_index = type(step_offsets) is list and len(step_offsets) == len(self.steps) and all(
             type(e) is list and e == [s, o] for e, s, o in zip(step_offsets, self.steps.step.tolist(),
@@ -184,9 +239,14 @@ class TraceIndex:
                              f"with its events.")
 
     # ---- random access -------------------------------------------------------------------------
-    def events_of_step(self, step: int) -> np.ndarray:
-        """Indices of the events that name `step`, in log order."""
-        return self._by_step.positions(step)
+    def events_of_step(self, step: int, kind: str | None = None) -> np.ndarray:
+        """Indices of the events that name `step` (those of one `kind`, if given), in log order. With a kind,
+        the step's events are read block by block: a step of 250M events costs no array of them."""
+        if kind is None:
+            return self._by_step.positions(step)
+        code = _code(kind)
+        found = [pos[take(self.kind, pos) == code] for _, pos in blocks(self._by_step.slice(step))]
+        return np.concatenate(found).astype(np.intp) if found else np.zeros(0, np.intp)
 
     def events_of_request(self, seq_id: int) -> np.ndarray:
         """Indices of the events of one request, in log order: those that name it, and the schedule events
@@ -199,9 +259,32 @@ class TraceIndex:
         return merged[np.concatenate([[True], merged[1:] != merged[:-1]])] if len(merged) else merged
 
     def events_of_kind(self, name: str) -> np.ndarray:
-        if name not in KIND:
-            raise KeyError(f"no event kind {name!r}; the kinds are {', '.join(KIND)}.")
-        return np.flatnonzero(self.kind == KIND[name])
+        code = _code(name)
+        return flatnonzero(self.kind, lambda k: k == code)
+
+    def next_of_kind(self, name: str, after: int, forward: bool = True) -> int | None:
+        """The index of the first event of kind `name` after event `after` (before it, if not `forward`), or None;
+        read block by block from there (no list of every event of the kind)."""
+        code, n, size = _code(name), len(self), 1 << 16
+        lo, hi = (max(after + 1, 0), min(after + 1 + size, n)) if forward else (max(after - size, 0), min(after, n))
+        while lo < hi:
+            block = self.kind[lo:hi]
+            hits = np.flatnonzero(block == code)
+            release(block)
+            if len(hits):
+                return lo + int(hits[0] if forward else hits[-1])
+            size *= 2
+            lo, hi = (hi, min(hi + size, n)) if forward else (max(lo - size, 0), lo)
+        return None
+
+    def column(self, dtype) -> Column | None:
+        """A new file of a spilled index's folder, for a list as long as the log (the Events view's); else None."""
+        return None if self._spill is None else self._spill.column(dtype)
+
+    def request_ids(self) -> np.ndarray:
+        """Every seq_id the log names (its events' and its batch rows'), ascending, as int64."""
+        named = np.asarray(self._by_seq.values)
+        return np.union1d(named[named >= 0], self._rows_by_seq.values).astype(np.int64)
 
     def event_at(self, i: int) -> Event:
         """The i-th event, decoded on demand. The pages of the mapped log it read are handed back to the kernel
@@ -221,16 +304,32 @@ class TraceIndex:
         return max(int(np.searchsorted(self.steps.schedule_start, t, side="right")) - 1, 0)
 
 
+def _code(name: str) -> int:
+    if name not in KIND:
+        raise KeyError(f"no event kind {name!r}; the kinds are {', '.join(KIND)}.")
+    return KIND[name]
+
+
+def _arrays(obj) -> list[str]:
+    """The names of an object's numpy array attributes (its __dict__'s and __slots__')."""
+    names = list(getattr(obj, "__dict__", {})) + list(getattr(type(obj), "__slots__", ()))
+    return [n for n in names if isinstance(getattr(obj, n, None), np.ndarray)]
+
+
 class _Groups:
     """The positions of a column grouped by value, a CSR: `order` (int32 when the column allows) lists the
     positions sorted by value and, within a value, ascending; value `values[k]` owns order[starts[k]:starts[k+1]].
-    Built by sorting an int64 key (value << 32 | position) in place: no int64 argsort, no sorted copy kept."""
+    Built by sorting an int64 key (value << 32 | position) in place: no int64 argsort, no sorted copy kept; for a
+    spilled index, by tracing/spill.py's `groups` into files, a range of values at a time."""
 
     BLOCK = 1 << 20   # positions converted at a time (temporaries of 8 MiB)
 
-    def __init__(self, column: np.ndarray):
+    def __init__(self, column: np.ndarray, spill: Spill | None = None):
         n = len(column)
         self.dtype = column.dtype
+        if spill is not None and column.dtype == np.int32 and n < 1 << 31:
+            self.order, self.values, self.starts = groups(column, spill)
+            return
         if n >= 1 << 31 or column.dtype.itemsize > 4:  # beyond the key's 32 bits of position: argsort
             self.order = np.argsort(column, kind="stable")
             ordered = column[self.order]
@@ -262,17 +361,22 @@ class _Groups:
     def positions(self, value: int) -> np.ndarray:
         """The positions (ascending, as intp) whose value is `value`. `value` is cast to the column's dtype: a
         Python int would make numpy convert the whole column first."""
+        return self.slice(value).astype(np.intp)
+
+    def slice(self, value: int) -> np.ndarray:
+        """The same, as a view of `order` (no copy)."""
         info = np.iinfo(self.dtype)
         if not info.min <= value <= info.max:  # e.g. a request id typed by hand: nothing has it
-            return np.zeros(0, np.intp)
+            return self.order[:0]
         k = int(np.searchsorted(self.values, self.dtype.type(value)))
         if k == len(self.values) or self.values[k] != value:
-            return np.zeros(0, np.intp)
-        return self.order[self.starts[k]:self.starts[k + 1]].astype(np.intp)
+            return self.order[:0]
+        return self.order[int(self.starts[k]):int(self.starts[k + 1])]
 
 
 class TooBig(TraceError):
-    """A log with more events than the memory available can index (one sentence, as every TraceError)."""
+    """A log with more events than the memory available can index, in memory or spilled to disk (one sentence,
+    as every TraceError)."""
 
 
 def planned_bytes(events: int, resources: int = 0) -> int:
@@ -280,21 +384,50 @@ def planned_bytes(events: int, resources: int = 0) -> int:
     return events * BYTES_PER_EVENT + resources * BYTES_PER_RESOURCE
 
 
+def spilled_bytes(steps: int, requests: int) -> int:
+    """The memory a spilled index (and the viewer over it) is planned to need: its per-step and per-request
+    tables, and the build's working set."""
+    return steps * BYTES_PER_STEP + requests * BYTES_PER_REQUEST + SPILL_MEMORY
+
+
 def check_budget(trace: TraceFile, budget: int) -> int:
-    """TooBig if a clean log's footer counts more events than `budget` bytes can index; else the bytes planned
-    for them (0 for a log without a footer, which only its scan can count)."""
+    """TooBig if a clean log's footer counts more events than `budget` bytes of memory or the disk can index;
+    else the bytes of memory planned for them (0 for a log without a footer, which only its scan can count)."""
     claimed = _claimed_events(trace)
-    if claimed is not None and planned_bytes(claimed) > budget:
-        raise _too_big(trace, claimed, 0, budget, counted=True)
-    return planned_bytes(claimed or 0)
+    if claimed is None:
+        return 0
+    steps, requests = _claimed_steps(trace)
+    if _spills(trace, claimed, 0, steps, requests, budget, counted=True):
+        return spilled_bytes(steps, requests)
+    return planned_bytes(claimed)
 
 
-def _too_big(trace: TraceFile, events: int, resources: int, budget: int, counted: bool) -> TooBig:
+def _spills(trace: TraceFile, events: int, resources: int, steps: int, requests: int, budget: int, counted: bool,
+            scale: float = 1.0) -> bool:
+    """Whether an index of this many events (and resource rows, steps, requests) spills to disk: it plans more
+    than RAM_LIMIT or `budget` bytes of memory, and the disk has room for it (planned_bytes) and the budget for
+    what stays in memory. False if it fits in memory; TooBig if neither holds it. `scale`: the log's bytes over
+    those scanned, for a log without a footer (what it holds at the end, if the rest is like the start)."""
+    need = planned_bytes(events, resources)
+    if need <= min(budget, RAM_LIMIT):
+        return False
+    free = disk_free()
+    if (free is not None and need * scale + DISK_MARGIN <= free and events * scale < 1 << 31
+            and spilled_bytes(int(steps * scale), int(requests * scale)) <= budget):
+        return True
+    if need <= budget:
+        return False
+    raise _too_big(trace, events, resources, budget, counted, free)
+
+
+def _too_big(trace: TraceFile, events: int, resources: int, budget: int, counted: bool, free: int | None) -> TooBig:
     held = "holds" if counted else "holds at least"
-    return TooBig(f"{trace.path} is too big to index in this machine's memory: it {held} {events:,} events, "
-                  f"about {planned_bytes(events, resources) / 2**30:.1f} GiB indexed, and "
-                  f"{max(budget, 0) / 2**30:.1f} GiB is available (`mdi-trace info` and `mdi-trace verify` read "
-                  f"it in bounded memory).")
+    disk = "its free disk space is unknown" if free is None else f"{free / 2**30:.1f} GiB of disk is free"
+    return TooBig(f"{trace.path} is too big to index in this machine's memory or on its disk: it {held} {events:,} "
+                  f"events, about {planned_bytes(events, resources) / 2**30:.1f} GiB indexed, "
+                  f"{max(budget, 0) / 2**30:.1f} GiB of memory is available and {disk} in {spill_folder()} "
+                  f"(`mdi-trace info` and `mdi-trace verify` read it in bounded memory; MDI_CACHE moves the "
+                  f"folder).")
 
 
 def scan_summary(trace: TraceFile) -> Summary:
@@ -313,9 +446,9 @@ def _scan(trace: TraceFile, progress=None, budget: int | None = None, keep: bool
 
     The cyclic garbage collector is off meanwhile (the scan makes no cycles): a chunk's decoded events are
     alive together, and each of its collections would walk them all, a third of the scan's time."""
-    if budget is not None:
-        check_budget(trace, budget)
-    b = _Build(trace, keep)
+    claimed = _claimed_events(trace) if budget is not None else None   # TooBig before the scan, if it says so
+    spill = claimed is not None and _spills(trace, claimed, 0, *_claimed_steps(trace), budget, counted=True)
+    b = _Build(trace, keep, Spill(trace.path) if spill else None)
     objects = trace.objects()
     collecting = gc.isenabled()
     gc.disable()
@@ -329,14 +462,40 @@ def _scan(trace: TraceFile, progress=None, budget: int | None = None, keep: bool
                         progress(chunk[k][0])
                 b.add(chunk)
                 b.release_pages(chunk[-1][0])
-                if budget is not None and planned_bytes(b.n, b.resource_rows) > budget:
-                    raise _too_big(trace, b.n, b.resource_rows, budget, counted=False)
+                if budget is not None:
+                    _plan(b, chunk[-1][0], budget)
             if error is not None:
                 raise error
         return b
+    except BaseException:
+        if b.spill is not None:
+            b.spill.close()
+        raise
     finally:
         if collecting:
             gc.enable()
+
+
+def _plan(b: _Build, offset: int, budget: int) -> None:
+    """During the scan of a log given a budget: spill once what it holds at the end (scaled from what the scan
+    has seen) is planned over the budget or RAM_LIMIT; TooBig once neither memory nor disk can hold it."""
+    trace, sm = b.trace, b.summary
+    if b.spill is None:
+        if planned_bytes(b.n, b.resource_rows) <= min(budget, RAM_LIMIT):
+            return
+        body = (trace.footer_offset if trace.clean else len(trace.data)) - trace.body_offset
+        scale = max(body / max(offset - trace.body_offset, 1), 1.0)
+        if _spills(trace, b.n, b.resource_rows, sm.num_steps, sm.requests, budget, False, scale):
+            b.spill_to(Spill(trace.path))
+    elif spilled_bytes(sm.num_steps, sm.requests) > budget:
+        raise _too_big(trace, b.n, b.resource_rows, budget, False, disk_free())
+
+
+def _claimed_steps(trace: TraceFile) -> tuple[int, int]:
+    """(steps, requests) a clean log's footer counts (0 where it does not say)."""
+    counts, steps = trace.footer.counts, trace.footer.num_steps
+    requests = counts.get("request_added", 0) if type(counts) is dict else 0
+    return (steps if type(steps) is int and steps >= 0 else 0), (requests if type(requests) is int else 0)
 
 
 def _chunk(objects) -> tuple[list, bool, TraceError | None]:
@@ -362,8 +521,8 @@ def _chunk(objects) -> tuple[list, bool, TraceError | None]:
 class _Build:
     """The pieces of the index, chunk by chunk, and the first damage found in each category (E_*)."""
 
-    def __init__(self, trace: TraceFile, keep: bool = True):
-        self.trace, self.path, self.n, self.keep = trace, trace.path, 0, keep
+    def __init__(self, trace: TraceFile, keep: bool = True, spill: Spill | None = None):
+        self.trace, self.path, self.n, self.keep, self.spill = trace, trace.path, 0, keep, None
         self.summary = Summary()
         self.errors: dict[int, str] = {}
         self.released = 0                 # bytes of the mapped log handed back to the kernel
@@ -372,9 +531,22 @@ class _Build:
         self.cols: list[list[np.ndarray]] = [[] for _ in _DTYPES]
         self.full: list[np.ndarray] | None = None
         claimed = _claimed_events(trace)
-        if claimed is not None and keep:
+        if claimed is not None and keep and spill is None:
             self.full = [np.empty(claimed, dt) for dt in _DTYPES]
         self._pieces()
+        if spill is not None:
+            self.spill_to(spill)
+
+    def spill_to(self, spill: Spill) -> None:
+        """From now on the columns, the resource rows and the batch rows' seq_ids go to `spill`'s files (what
+        the scan has gathered so far first)."""
+        self.spill = spill
+        if self.full is not None:
+            self.cols = [[col[:self.n]] for col in self.full]
+            self.full = None
+        self.cols = [_sink(spill, dt, pieces) for dt, pieces in zip(_DTYPES, self.cols)]
+        self.res = [_sink(spill, dt, pieces) for dt, pieces in zip(_RES_DTYPES, self.res)]
+        self.row_seq = _sink(spill, np.int32, self.row_seq)
 
     def _pieces(self) -> None:
         """Empty lists of the pieces of the step and resource tables."""
@@ -574,7 +746,7 @@ class _Build:
         return StepTable(step, batch_kind, rows, tokens, preempted, *times.reshape(2 * (len(PHASES) + 1), n))
 
     def resource_table(self) -> ResourceTable:
-        return ResourceTable(*(_join(c, dt) for c, dt in zip(self.res, (np.int64, np.uint8, np.int32, np.int32))))
+        return ResourceTable(*(_join(c, dt) for c, dt in zip(self.res, _RES_DTYPES)))
 
     def rows(self) -> np.ndarray:
         return _join(self.row_seq, np.int32)
@@ -632,6 +804,15 @@ class _Resources:
 
 
 _DTYPES = (np.int64, np.uint8, np.int32, np.int32, np.int64, np.bool_)   # offset, kind, step, seq_id, t, appended
+_RES_DTYPES = (np.int64, np.uint8, np.int32, np.int32)                   # event, kind, seq_id, resource
+
+
+def _sink(spill: Spill, dtype, pieces: list[np.ndarray]) -> Column:
+    """A spilled column holding `pieces` (which are freed)."""
+    column = spill.column(dtype)
+    while pieces:
+        column.append(pieces.pop(0))
+    return column
 
 
 FAULT_AROUND = 1 << 16   # bytes the kernel maps around a page fault of a file mapping (fault_around_bytes)
@@ -679,7 +860,9 @@ def _ints(values) -> np.ndarray | None:
 
 def _join(pieces: list[np.ndarray], dtype) -> np.ndarray:
     """The pieces end to end as one array, each freed once copied (the result's pages are touched as they are
-    written, so the peak is the pieces and little more, not twice them)."""
+    written, so the peak is the pieces and little more, not twice them). A spilled column: its file, mapped."""
+    if isinstance(pieces, Column):
+        return pieces.array()
     if len(pieces) == 1 and pieces[0].dtype == dtype:
         return pieces.pop()
     out = np.empty(sum(len(p) for p in pieces), dtype)

@@ -35,6 +35,7 @@ from textual.widgets import Input, Static
 from textual.worker import get_current_worker
 
 from tracing.index import TooBig
+from tracing.spill import SpillError
 from tracing.reader import TraceError
 from tui.data import KIND_NAMES, RunModel, TraceModel
 from tui.dialogs import Ask, JumpCommands
@@ -157,7 +158,7 @@ class TraceApp(App):
     def _load(self, run: RunModel) -> None:
         try:
             run.load(lambda offset: self.post_message(Progress(offset, run.size)))
-        except TooBig as e:
+        except (TooBig, SpillError) as e:   # no room in memory nor on disk: a followed log stays as it was
             self.call_from_thread(self._stop_following if self.generation else self._failed, str(e))
             return
         except TraceError as e:

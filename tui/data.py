@@ -21,6 +21,7 @@ import numpy as np
 from tracing.index import BLOCK_EVENTS, SLOT_EVENTS, TraceIndex, check_budget
 from tracing.ranks import open_run
 from tracing.reader import TraceError, TraceFile
+from tracing.spill import blocks_of, release, take
 from tracing.schema import BATCH_KINDS, EVENTS, FINISH_REASONS, KIND, Event
 from tui.format import EventFilter, describe, fmt_ns, plural, short_list
 from tui.lanes import Lanes
@@ -57,16 +58,14 @@ class TraceModel:
         of memory it may plan on (TooBig, one sentence, for a log that needs more); None: no limit."""
         ix = TraceIndex(self.trace, progress, budget)
         self.steps, self.lanes = ix.steps, Lanes(ix.steps)
-        self.sched_event = np.flatnonzero(ix.kind == SCHEDULE)                 # event index per step row
+        self.sched_event = ix.events_of_kind("schedule")                      # event index per step row
         self._step_sorted = np.argsort(ix.steps.step, kind="stable")
         self._steps_in_order = ix.steps.step[self._step_sorted]
-        seqs = np.concatenate([ix.seq_id[ix.seq_id >= 0], ix._row_seq])
-        self.seq_ids = np.unique(seqs).astype(np.int64)   # every request of the log, ascending
+        self.seq_ids = ix.request_ids()                    # every request of the log, ascending
         self.prompt_len = self._per_seq(ix, "request_added", lambda e: len(e.prompt_token_ids))
         self.appended = ix.appended                        # per event: a token event that was appended
-        self.request_tokens = self._per_request(ix, self.appended)   # output tokens appended (stale ones not)
-        self.request_stale = self._per_request(ix, (ix.kind == TOKEN) & ~self.appended)
-        self.request_preemptions = self._per_request(ix, ix.kind == KIND["preempt"])
+        # per request: output tokens appended (stale ones not), stale tokens, preemptions
+        self.request_tokens, self.request_stale, self.request_preemptions = self._per_request(ix)
         self.finish_reasons = self._per_seq(ix, "finish", lambda e: FINISH_REASONS[_enum(e.reason, FINISH_REASONS)])
         engine = self.header.get("engine")
         engine = engine if isinstance(engine, dict) else {}
@@ -80,10 +79,11 @@ class TraceModel:
     def _per_seq(self, ix: TraceIndex, kind: str, value) -> dict:
         """seq_id -> value(event) over the events of one kind; TraceError naming a malformed one."""
         out = {}
-        for i in ix.events_of_kind(kind):
+        events = ix.events_of_kind(kind)
+        for i, seq in zip(events.tolist(), take(ix.seq_id, events).tolist()):
             e = ix.event_at(i)
             try:
-                out[int(ix.seq_id[i])] = value(e)
+                out[seq] = value(e)
             except (TypeError, ValueError, IndexError, KeyError):
                 raise TraceError(f"{self.path} is damaged at byte {e.offset}: a malformed {kind} event.") from None
         return out
@@ -123,10 +123,9 @@ class TraceModel:
         s, e = self.steps, self.schedule_event(r)
         step = int(s.step[r])
         sampled = {}
-        for i in self.index.events_of_step(_i32(step)):
-            if self.index.kind[i] == TOKEN:
-                t = self.index.event_at(i)
-                sampled[t.seq_id] = f"{t.token_id}" + ("" if t.appended else " stale")
+        for i in self.index.events_of_step(_i32(step), "token"):
+            t = self.index.event_at(i)
+            sampled[t.seq_id] = f"{t.token_id}" + ("" if t.appended else " stale")
         spans = "  ".join(f"{name} {_dur(end - start)}" for name, start, end in (
             ("schedule", s.schedule_start[r], s.schedule_end[r]), ("execute", s.execute_start[r], s.execute_end[r]),
             ("process", s.process_start[r], s.process_end[r]), ("device", s.device_start[r], s.device_end[r]))
@@ -149,10 +148,15 @@ class TraceModel:
         return lines
 
     # ---- requests --------------------------------------------------------------------------------
-    def _per_request(self, ix: TraceIndex, mask: np.ndarray) -> np.ndarray:
-        """Events per request (in `seq_ids` order) among those of `mask`."""
-        pos = np.searchsorted(self.seq_ids, ix.seq_id[mask & (ix.seq_id >= 0)])
-        return np.bincount(pos, minlength=len(self.seq_ids))
+    def _per_request(self, ix: TraceIndex) -> np.ndarray:
+        """Per request (in `seq_ids` order): token events appended, stale token events, preemptions. One pass
+        over the columns, a block at a time (a spilled index's pages handed back as it goes)."""
+        out = np.zeros((3, len(self.seq_ids)), np.int64)
+        for _, (kind, seq, appended) in blocks_of(ix.kind, ix.seq_id, ix.appended):
+            for row, mask in enumerate((appended, (kind == TOKEN) & ~appended, kind == KIND["preempt"])):
+                pos = np.searchsorted(self.seq_ids, seq[mask & (seq >= 0)])
+                out[row] += np.bincount(pos, minlength=len(self.seq_ids))
+        return out
 
     def request_line(self, i: int) -> str:
         """One request: seq_id, prompt length, output tokens appended (stale ones not), preemptions, finish."""
@@ -223,16 +227,23 @@ class TraceModel:
     def filtered(self, f: EventFilter) -> np.ndarray:
         """Indices of the events that pass `f`, in log order."""
         ix = self.index
-        keep = np.ones(len(ix), dtype=bool)
-        if f.kinds:
-            keep &= np.isin(ix.kind, [KIND[k] for k in f.kinds])
-        if f.seq_id is not None:
-            mask = np.zeros(len(ix), dtype=bool)
-            mask[ix.events_of_request(_i32(f.seq_id))] = True
-            keep &= mask
-        if f.steps is not None:
-            keep &= (ix.step >= f.steps[0]) & (ix.step <= f.steps[1])
-        return np.flatnonzero(keep)
+        named = ix.events_of_request(_i32(f.seq_id)) if f.seq_id is not None else None
+        sink = ix.column(np.intp)            # a spilled index's list goes to a file of its own
+        pieces = [] if sink is None else sink
+        for lo, (kind, step) in blocks_of(ix.kind, ix.step):
+            keep = np.ones(len(kind), dtype=bool)
+            if f.kinds:
+                keep &= np.isin(kind, [KIND[k] for k in f.kinds])
+            if named is not None:
+                mask = np.zeros(len(kind), dtype=bool)
+                mask[named[np.searchsorted(named, lo):np.searchsorted(named, lo + len(kind))] - lo] = True
+                keep &= mask
+            if f.steps is not None:
+                keep &= (step >= f.steps[0]) & (step <= f.steps[1])
+            pieces.append(np.flatnonzero(keep) + lo)
+        if sink is not None:
+            return sink.array()
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.intp)
 
     def search(self, pattern: re.Pattern, shown: np.ndarray, pos: int, forward: bool, stop=lambda: False):
         """The position in `shown` of the next (or previous) event after `pos` whose line matches, or None.
@@ -249,33 +260,39 @@ class TraceModel:
 
     def next_of_kind(self, kind: str, after: int, forward: bool = True) -> int | None:
         """The index of the next (or previous) event of `kind` after event `after`, or None."""
-        evs = self.index.events_of_kind(kind)
-        k = np.searchsorted(evs, after, "right" if forward else "left")
-        k = k if forward else k - 1
-        return int(evs[k]) if 0 <= k < len(evs) else None
+        return self.index.next_of_kind(kind, after, forward)
 
     # ---- resources -------------------------------------------------------------------------------
     def owners(self, r: int) -> tuple[np.ndarray, np.ndarray]:
         """(owner seq_id per KV block, per state slot; -1 if free) just after step row r was scheduled."""
         res = self.index.resources
         k = int(np.searchsorted(res.event, self.sched_event[r], "right"))
+        release(res.event)
         out = []
         for codes, n in ((BLOCK_EVENTS, self.num_blocks), (SLOT_EVENTS, self.num_slots)):
-            sel = np.flatnonzero(np.isin(res.kind[:k], codes))
-            last = np.full(n, -1, dtype=np.int64)
-            np.maximum.at(last, res.resource[sel], sel)
+            last = np.full(n, -1, dtype=np.int64)      # per resource: its last row up to k
+            for lo, (kind, resource) in blocks_of(res.kind[:k], res.resource[:k]):
+                sel = np.flatnonzero(np.isin(kind, codes))
+                np.maximum.at(last, resource[sel], sel + lo)
             owner = np.full(n, -1, dtype=np.int64)
             held = last >= 0
-            held[held] = res.kind[last[held]] == codes[0]
-            owner[held] = res.seq_id[last[held]]
+            held[held] = take(res.kind, last[held]) == codes[0]
+            owner[held] = take(res.seq_id, last[held])
             out.append(owner)
         return out[0], out[1]
 
     def _occupancy(self, res, codes) -> np.ndarray:
-        """Blocks (or slots) owned just after each step row was scheduled."""
-        delta = np.where(res.kind == codes[0], 1, np.where(res.kind == codes[1], -1, 0))
-        cum = np.concatenate([[0], np.cumsum(delta)])
-        return cum[np.searchsorted(res.event, self.sched_event, "right")]
+        """Blocks (or slots) owned just after each step row was scheduled: a running sum over the resource rows,
+        a block at a time, read where each step's rows end."""
+        ends = np.searchsorted(res.event, self.sched_event, "right")    # ascending, as the steps' events are
+        release(res.event)
+        out, total = np.zeros(len(ends), np.int64), 0
+        for lo, (kind,) in blocks_of(res.kind):
+            cum = np.cumsum(np.where(kind == codes[0], 1, np.where(kind == codes[1], -1, 0))) + total
+            a, b = np.searchsorted(ends, [lo, lo + len(kind)], "right")
+            out[a:b] = cum[ends[a:b] - lo - 1]
+            total = int(cum[-1])
+        return out
 
     # ---- overview --------------------------------------------------------------------------------
     def overview(self) -> list[tuple[str, str]]:
@@ -413,14 +430,16 @@ class RunModel:
     def load(self, progress=None, budget: int | None = -1) -> None:
         """Index every rank's log in turn; `progress(offset)` counts bytes over the whole run. `budget`: the bytes
         of memory the indexes may plan on together (-1: what this machine has available now, less a margin;
-        None: no limit); a run that needs more raises TooBig, one sentence, instead of running out of memory."""
+        None: no limit); an index that needs more (or over tracing/index.py's RAM_LIMIT) is spilled to disk, and a
+        run that neither can hold raises TooBig, one sentence, instead of running out of memory."""
         budget = self.budget() if budget == -1 else budget
         done = 0
         for m in self.models:
             m.load(None if progress is None else lambda offset, base=done: progress(base + offset), budget)
             done += m.size
             if budget is not None:
-                budget -= m.index.nbytes + 8 * len(m.index)   # what this rank keeps, and the Events view's list
+                # what this rank keeps in memory, and the Events view's list (in a file of its own if spilled)
+                budget -= m.index.memory + (0 if m.index.spilled else 8 * len(m.index))
 
     @staticmethod
     def budget() -> int | None:
@@ -429,7 +448,8 @@ class RunModel:
         return None if free is None else free - MEMORY_MARGIN
 
     def check_memory(self) -> None:
-        """TooBig, before any scan, if the footers of the run's logs count more events than memory can index."""
+        """TooBig, before any scan, if the footers of the run's logs count more events than memory or disk can
+        index."""
         budget = self.budget()
         for m in self.models if budget is not None else ():
             budget -= check_budget(m.trace, budget)
@@ -481,8 +501,10 @@ def _dur(ns) -> str:
 
 
 def _max_id(res, codes, path) -> int:
-    sel = np.isin(res.kind, codes)
-    top = int(res.resource[sel].max()) if sel.any() else -1
+    top = -1
+    for _, (kind, resource) in blocks_of(res.kind, res.resource):
+        sel = np.isin(kind, codes)
+        top = max(top, int(resource[sel].max()) if sel.any() else -1)
     if top >= MAX_POOL:
         raise TraceError(f"{path} is damaged: it names block or slot {top}, beyond any pool this viewer draws "
                          f"({MAX_POOL}).")
