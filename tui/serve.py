@@ -238,7 +238,8 @@ class Server:
             except ValueError as e:
                 if "shutting down" in str(e):
                     raise APIError(503, str(e), "server_error") from None
-                code = "context_length_exceeded" if "max_seq_len" in str(e) else None
+                over = len(asked.prompt_token_ids) + asked.params.max_tokens > self.llm.engine.max_seq_len
+                code = "context_length_exceeded" if over else None
                 raise _bad(str(e), "prompt" if not chat else "messages", code) from None
         except APIError as e:
             return e.response()
