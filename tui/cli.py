@@ -492,9 +492,13 @@ def _record(a, argv: list[str]) -> int:
     spec = WorkloadSpec(num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
                         temperature=a.temperature, cancel_rate=a.cancel_rate, seed=a.seed, prompts=prompts,
                         arrivals=a.arrivals, virtual_clock_ms=a.virtual_clock)
-    if a.arrivals and prompts and prompts[0].arrival is not None:
+    timed = prompts is not None and prompts[0].arrival is not None
+    if a.arrivals and timed:
         raise SystemExit(f"mdi-trace: {a.prompts} gives every request its arrival; drop --arrivals, or the file's "
                          f"arrivals.")
+    if a.virtual_clock is not None and not (a.arrivals or timed):
+        raise SystemExit("mdi-trace: --virtual-clock times arrivals, and every request arrives at 0 here; give "
+                         "--arrivals or a prompts file with arrivals, or drop it.")
     _check_model(a.model)
     _check_device(a.device)
     out = Path(a.output or f"traces/run-{time.strftime('%Y%m%d-%H%M%S')}.mdt")
