@@ -105,6 +105,44 @@ def test_record_from_a_jsonl_file(recorded):
     assert s.requests == 2 and s.prompt_tokens == 6 and s.output_tokens <= 5
 
 
+def arrivals_of(path):
+    """(arrival, added) per request of a log, in ns since the first arrival."""
+    added = [e for e in open_trace(path).events() if e.kind == "request_added"]
+    return [(e.arrival - added[0].arrival, e.t - added[0].arrival) for e in added]
+
+
+def test_record_with_poisson_arrivals_replays_the_drawn_offsets_and_checks_clean(recorded, capsys):
+    from tests.test_workload import llm_like
+    from tracing.workload import WorkloadSpec, draw
+    tmp, _, _ = recorded
+    out = tmp / "poisson.mdt"
+    run = mdi("record", "-o", str(out), "--model", str(tmp / "ckpt"), "--num-prompts", "4", "--input-len", "10:30",
+              "--output-len", "2:4", "--arrivals", "poisson:40", "--seed", "2")
+    assert run.returncode == 0, run.stderr
+    header = open_trace(out).header
+    drawn = draw(WorkloadSpec(num_prompts=4, input_len=(10, 30), output_len=(2, 4), seed=2, arrivals="poisson:40"),
+                 llm_like(header["model"]["vocab_size"], header["model"]["max_seq_len"])).arrivals
+    got = arrivals_of(out)
+    assert [a for a, _ in got] == [round(x * 1e9) - round(drawn[0] * 1e9) for x in drawn]   # to the ns
+    assert all(t >= a for a, t in got)   # each added once it had arrived
+    assert main(["verify", str(out)]) == 0 and main(["check", str(out), "--scheduler"]) == 0
+    assert "no findings" in capsys.readouterr().out
+
+
+def test_record_replays_a_prompts_file_s_arrivals_in_arrival_order(recorded):
+    tmp, _, _ = recorded
+    prompts = tmp / "served.jsonl"
+    prompts.write_text('{"prompt": [5, 6, 7], "max_tokens": 2, "arrival": 0.15}\n'
+                       '{"prompt": [9], "max_tokens": 2, "temperature": 0.7, "seed": 4, "arrival": 0.05}\n')
+    out = tmp / "served.mdt"
+    run = mdi("record", "-o", str(out), "--model", str(tmp / "ckpt"), "--prompts", str(prompts), "--cancel-rate", "0")
+    assert run.returncode == 0, run.stderr
+    added = [e for e in open_trace(out).events() if e.kind == "request_added"]
+    assert [(e.prompt_token_ids, e.temperature) for e in added] == [([9], 0.7), ([5, 6, 7], 0.0)]
+    assert added[0].seed == 4
+    assert [a for a, _ in arrivals_of(out)] == [0, 100_000_000]
+
+
 @pytest.mark.parametrize("args", [
     ["info", "/no/such/trace.mdt"],
     ["info", "{tmp}/p.txt"],
@@ -116,6 +154,10 @@ def test_record_from_a_jsonl_file(recorded):
     ["record", "--num-prompts", "0"],
     ["record", "--prompts", "/no/such/prompts.jsonl"],
     ["record", "--prompts", "{tmp}/p.txt"],
+    ["record", "--arrivals", "poisson:0"],
+    ["record", "--arrivals", "uniform:5"],
+    ["record", "--virtual-clock", "-1"],
+    ["record", "--virtual-clock", "5"],
 ])
 def test_bad_input_is_one_sentence_and_exit_2(recorded, args, capsys):
     tmp, trace, _ = recorded

@@ -743,9 +743,9 @@ def test_counts_agree_with_their_nouns(model):
     one = int(np.flatnonzero(model.steps.rows == 1)[0])
     assert ", 1 row, " in model.step_detail(one)[0]
     assert ", 1 row: " in model.event_line(int(model.sched_event[one]))
-    head = model.lifeline(1)[0][1]       # request 1: cancelled once
+    head = model.lifeline(1)[0][2]       # request 1: cancelled once
     assert "1 cancellation;" in head and "1 epoch bump," in head
-    assert "1 preemption," in model.lifeline(2)[0][1]
+    assert "1 preemption," in model.lifeline(2)[0][2]
     lines = [model.step_detail(r)[0] for r in range(len(model.steps))] + [model.counts()]
     lines += [t for seq in model.seq_ids.tolist() for t in model.lifeline(seq)[0]]
     lines += [model.event_line(i) for i in range(len(model.index))]
@@ -797,7 +797,7 @@ async def test_a_requests_token_count_is_one_number_in_the_list_and_its_lifeline
     for k, seq in enumerate(model.seq_ids.tolist()):
         n = int(model.request_line(k).split()[2])
         assert n == appended.get(seq, 0), seq
-        assert f"output: {n} token{'s' if n != 1 else ''} appended" in model.lifeline(seq)[0][2]
+        assert f"output: {n} token{'s' if n != 1 else ''} appended" in model.lifeline(seq)[0][3]
         if model.finish_reasons.get(seq) == "length":
             assert n == model.index.event_at(int(model.index.events_of_request(seq)[0])).max_tokens
     app = TraceApp(str(EXAMPLE))

@@ -1,5 +1,6 @@
 """tracing/workload.py: the seeded workload `mdi-trace record` and the benchmarks draw, and the harness that
 runs it with cancellations and a stop flag."""
+import time
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -94,3 +95,83 @@ def test_a_stop_cancels_every_request_and_run_cancels_one_at_its_drawn_token_cou
     assert outcome.stopped and reasons == {0: "abort", 1: "abort", 2: "abort"}
     outcome, reasons = finish_reasons(llm, Workload(w.requests, {1: 2}))  # ids 3-5 now: cancel_at is by index
     assert not outcome.stopped and reasons == {0: "length", 1: "abort", 2: "length"}
+
+
+def test_poisson_arrivals_are_seeded_drawn_after_the_prompts_and_scale_with_the_rate():
+    spec = dict(num_prompts=6, input_len=(5, 20), output_len=(2, 5), cancel_rate=0.5, seed=3)
+    plain = draw(WorkloadSpec(**spec), llm_like())
+    a, b = (draw(WorkloadSpec(**spec, arrivals="poisson:10"), llm_like()) for _ in range(2))
+    assert plain.arrivals is None and a.arrivals == b.arrivals
+    assert (a.requests, a.cancel_at) == (plain.requests, plain.cancel_at)   # today's seeds give today's prompts
+    assert a.arrivals[0] == 0 and all(x < y for x, y in zip(a.arrivals, a.arrivals[1:]))
+    fast = draw(WorkloadSpec(**spec, arrivals="poisson:20"), llm_like()).arrivals
+    assert fast == pytest.approx([x / 2 for x in a.arrivals])   # the same exponential draws, at twice the rate
+
+
+def test_a_prompts_file_s_arrivals_and_sampling_parameters(tmp_path):
+    path = tmp_path / "served.jsonl"   # what `serve --prompts-out` writes, two lines out of arrival order
+    path.write_text('{"prompt": [5, 6], "max_tokens": 2, "temperature": 0.5, "seed": 9, "ignore_eos": true, '
+                    '"stop_token_ids": [7], "arrival": 0.25}\n'
+                    '{"prompt": [8], "max_tokens": 3, "temperature": 0, "seed": null, "ignore_eos": false, '
+                    '"stop_token_ids": [], "arrival": 0.1}\n')
+    w = draw(WorkloadSpec(prompts=read_prompts(path), cancel_rate=0), llm_like())
+    assert w.arrivals == [0.1, 0.25] and [r.prompt_token_ids for r in w.requests] == [[8], [5, 6]]
+    p = w.requests[1].params
+    assert (p.temperature, p.seed, p.max_tokens, p.ignore_eos, p.stop_token_ids) == (0.5, 9, 2, True, (7,))
+    with pytest.raises(WorkloadError, match="gives every request its arrival; drop --arrivals"):
+        draw(WorkloadSpec(prompts=read_prompts(path), arrivals="poisson:5"), llm_like())
+
+
+@pytest.mark.parametrize("line", ['"arrival": -1', '"arrival": "soon"', '"temperature": -0.5', '"seed": 1.5',
+                                  '"ignore_eos": 1', '"stop_token_ids": [-1]', '"max_tokens": 0'])
+def test_a_bad_value_in_a_prompts_line_is_one_sentence_with_its_number(tmp_path, line):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": [5]}\n{"prompt": [6], ' + line + '}\n')
+    with pytest.raises(WorkloadError, match=r"^\S+ line 2 is not \{\"prompt\".*\}\.$"):
+        read_prompts(path)
+
+
+def test_a_prompts_file_gives_every_line_an_arrival_or_none(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": [5], "arrival": 0}\n\n{"prompt": [6]}\n')
+    with pytest.raises(WorkloadError, match=r"line 3 lacks an arrival and line 1 gives one; give every line an "
+                                            r"arrival, or none\.$"):
+        read_prompts(path)
+
+
+def adds(llm, workload: Workload):
+    """(arrival_ns - the run's start, when it was added - start, the engine's steps before it) per request run."""
+    engine, seen, steps = llm.engine, [], [0]
+    add, step = engine.add_request, engine.step
+
+    def add_request(ids, params, arrival_ns=None):
+        seen.append((arrival_ns, time.perf_counter_ns(), steps[0]))
+        return add(ids, params, arrival_ns)
+
+    def counted_step():
+        steps[0] += 1
+        return step()
+    engine.add_request, engine.step = add_request, counted_step
+    start = time.perf_counter_ns()
+    try:
+        run(engine, workload)
+    finally:
+        del engine.add_request, engine.step
+    return [(a - start, t - start, k) for a, t, k in seen]
+
+
+def test_run_adds_each_request_once_it_has_arrived_and_idles_until_the_next(llm):
+    w = draw(WorkloadSpec(num_prompts=3, input_len=(8, 8), output_len=(2, 2), cancel_rate=0), llm)
+    w.arrivals = [0.0, 0.02, 0.3]   # the third arrives long after the first two are done: the run sleeps
+    seen = adds(llm, w)
+    for (arrival, added, _), offset in zip(seen, w.arrivals):
+        assert abs(arrival - offset * 1e9) < 2e6 and added >= arrival   # start + arrival, added after it
+    assert seen[2][1] >= 0.3e9
+
+
+def test_a_virtual_clock_adds_each_request_at_the_same_step_every_time(llm):
+    w = draw(WorkloadSpec(num_prompts=3, input_len=(8, 8), output_len=(4, 4), cancel_rate=0), llm)
+    w.arrivals, w.virtual_clock_ms = [0.0, 0.025, 5.0], 10.0   # 10 ms a step: request 1 joins after 3 steps
+    first, again = adds(llm, w), adds(llm, w)
+    assert [k for *_, k in first] == [k for *_, k in again] == [0, 3, first[2][2]] and first[2][2] > 3
+    assert all(added >= arrival for arrival, added, _ in first)   # the trace's arrivals: real, at the add

@@ -8,7 +8,11 @@ time axis: tracing/ranks.py's `offset_ns`), with a track per CPU phase (schedule
   which under ZOS shows step N enqueued while the device still runs N-1;
 - counters ("C") of free KV blocks and free state slots, rebuilt from the alloc/free events starting
   from the header's engine config (`num_kv_blocks`, `num_state_slots`);
-- instants ("i") for preemptions and cancellations, on the schedule track.
+- instants ("i") for preemptions and cancellations, on the schedule track;
+- per request, nested async slices ("b"/"e", category "request", id its seq_id, so a track of its own):
+  "request S" from its arrival to its end, holding its phases "queued", "prefill", "decode" and each
+  "preempted" interval inside them (tracing/latency.py); the outer slice's args carry its TTFT, TPOT, queue
+  time, time preempted and end. A request unfinished when the log ends closes there, with "end": "unfinished".
 Times in the JSON are microseconds since the recorder's t0 (the log's are nanoseconds). Pure Python.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tracing.latency import Latency, RequestLatency
 from tracing.ranks import Run
 from tracing.reader import TraceError, TraceFile
 from tracing.schema import BATCH_KINDS, PHASES
@@ -63,6 +68,8 @@ class _Builder:
         self.batches: dict[int, dict] = {}          # step -> args of its slices
         self.flow_start: dict[int, float] = {}      # step -> ts of its execute slice
         self.flow_end: dict[int, float] = {}        # step -> ts of its device slice
+        self.latency = Latency()                    # every request's phases, fed as the events go by
+        self.last = 0                               # the log's last time
 
     def build(self) -> None:
         self._metadata()
@@ -76,6 +83,9 @@ class _Builder:
                 except (IndexError, KeyError, TypeError, ValueError, OverflowError) as err:
                     raise TraceError(f"{self.trace.path} is damaged at byte {e.offset}: a malformed {e.kind} event "
                                      f"({type(err).__name__}); cannot export it.") from None
+            self.last = max(self.last, getattr(e, "end", None) or getattr(e, "t", 0) or 0)
+        for r in self.latency.requests.values():
+            self._request(r)
         for step, ts in self.flow_start.items():
             if step in self.flow_end:  # flow ids are global: one per (step, rank)
                 flow = {"name": f"step {step}", "cat": "step", "id": step * self.world_size + self.pid - 1,
@@ -115,8 +125,44 @@ class _Builder:
         self.out.append({"ph": "i", "s": "t", "pid": self.pid, "tid": TID["schedule"], "ts": self._us(t),
                          "name": f"{what} seq {seq_id}", "args": {"step": step, "seq_id": seq_id}})
 
+    def _request(self, r: RequestLatency) -> None:
+        """One request's nested async slices: the request, its phases in order, each preemption inside the phase
+        it began in (clipped to it, so that they nest)."""
+        if r.arrival is None:   # added before the log's first event we hold: nothing to start from
+            return
+        ms = lambda ns: None if ns is None else round(ns / 1e6, 6)  # noqa: E731
+        args = {"seq_id": r.seq_id, "tokens": r.tokens, "ttft_ms": ms(r.ttft_ns), "tpot_ms": ms(r.tpot_ns),
+                "queued_ms": ms(r.queued_ns), "preempted_ms": ms(r.preempted_ns), "end": r.outcome or "unfinished"}
+        phases = r.phases(self.last)
+        base = {"cat": "request", "id": r.seq_id, "pid": self.pid}
+        out = self.out
+        out.append({**base, "ph": "b", "name": f"request {r.seq_id}", "ts": self._us(r.arrival), "args": args})
+        for name, start, end in phases:
+            if name == "preempted":
+                continue
+            out.append({**base, "ph": "b", "name": name, "ts": self._us(start)})
+            for inner, a, b in phases:
+                if inner == "preempted" and start <= a < end:
+                    out.append({**base, "ph": "b", "name": inner, "ts": self._us(a)})
+                    out.append({**base, "ph": "e", "name": inner, "ts": self._us(min(b, end))})
+            out.append({**base, "ph": "e", "name": name, "ts": self._us(end)})
+        out.append({**base, "ph": "e", "name": f"request {r.seq_id}",
+                    "ts": self._us(r.end if r.end is not None else self.last)})
+
     # ---- one method per event kind (tracing/schema.py), each given the event's record ------------------
+    def _request_added(self, e):
+        self.latency.request(e.seq_id).on_added(e.t, e.arrival)
+
+    def _token(self, e):
+        if e.appended is True:
+            self.latency.request(e.seq_id).on_token(e.t)
+
+    def _finish(self, e):
+        self.latency.request(e.seq_id).on_finish(e.t, e.reason)
+
     def _schedule(self, e):
+        for row in e.rows:
+            self.latency.request(row.seq_id).on_scheduled(e.t)
         self.batches[e.step] = {"step": e.step, "batch_kind": BATCH_KINDS[e.batch_kind], "rows": len(e.rows),
                                 "tokens": sum(len(r.token_ids) for r in e.rows), "preempted": list(e.preempted)}
 
@@ -140,6 +186,8 @@ class _Builder:
 
     def _preempt(self, e):
         self._instant("preempt", e.t, e.step, e.seq_id)
+        self.latency.request(e.seq_id).on_preempt(e.t)
 
     def _cancel(self, e):
         self._instant("cancel", e.t, e.step, e.seq_id)
+        self.latency.request(e.seq_id).on_cancel(e.cause)

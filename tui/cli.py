@@ -137,6 +137,26 @@ def _num_prompts(text: str) -> int:
     return n
 
 
+def _arrivals(text: str) -> str:
+    from tracing.workload import WorkloadError, parse_arrivals
+    try:
+        parse_arrivals(text)
+    except WorkloadError as e:
+        raise argparse.ArgumentTypeError(f"expected poisson:RATE, RATE requests per second above 0 (e.g. "
+                                         f"poisson:20), not {text!r}") from e
+    return text
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = 0.0
+    if not 0 < ms < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected milliseconds above 0, not {text!r}")
+    return ms
+
+
 def _seed(text: str) -> int:
     return _whole(text, 0, 1 << 63, "a seed between 0 and 2**63 - 1")
 
@@ -164,8 +184,15 @@ def _record_parser(sub) -> None:
     rec.add_argument("--output-len", type=_range, default=(16, 64), metavar="MIN:MAX",
                      help="max_tokens, uniform in [MIN, MAX]")
     rec.add_argument("--prompts", metavar="FILE.jsonl",
-                     help='one {"prompt": text or token ids, "max_tokens": N (optional)} per line, instead of '
-                          'random prompts')
+                     help='one {"prompt": text or token ids, "max_tokens": N} per line instead of random prompts; '
+                          'optional per line: "temperature", "seed", "ignore_eos", "stop_token_ids", "arrival" '
+                          '(seconds), as `serve --prompts-out` writes them')
+    rec.add_argument("--arrivals", type=_arrivals, metavar="poisson:RATE",
+                     help="requests arrive as a Poisson process of RATE per second (seeded; the first at 0), each "
+                          "added once it has arrived (without it every request arrives at 0)")
+    rec.add_argument("--virtual-clock", type=_milliseconds, metavar="MS",
+                     help="arrivals read a clock that advances MS per step, not the wall clock: each request "
+                          "joins the same step on every re-record")
     rec.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
                      help="sampling temperature (0: greedy)")
     rec.add_argument("--seed", type=_seed, default=0, metavar="N",
@@ -463,7 +490,15 @@ def _record(a, argv: list[str]) -> int:
     except WorkloadError as e:
         raise SystemExit(f"mdi-trace: {e}") from None
     spec = WorkloadSpec(num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
-                        temperature=a.temperature, cancel_rate=a.cancel_rate, seed=a.seed, prompts=prompts)
+                        temperature=a.temperature, cancel_rate=a.cancel_rate, seed=a.seed, prompts=prompts,
+                        arrivals=a.arrivals, virtual_clock_ms=a.virtual_clock)
+    timed = prompts is not None and prompts[0].arrival is not None
+    if a.arrivals and timed:
+        raise SystemExit(f"mdi-trace: {a.prompts} gives every request its arrival; drop --arrivals, or the file's "
+                         f"arrivals.")
+    if a.virtual_clock is not None and not (a.arrivals or timed):
+        raise SystemExit("mdi-trace: --virtual-clock times arrivals, and every request arrives at 0 here; give "
+                         "--arrivals or a prompts file with arrivals, or drop it.")
     _check_model(a.model)
     _check_device(a.device)
     out = Path(a.output or f"traces/run-{time.strftime('%Y%m%d-%H%M%S')}.mdt")
@@ -575,6 +610,35 @@ def _print_summary(console, trace, title: str, size: bool = False) -> None:
     console.print(t)
 
 
+def _print_latency(console, trace) -> None:
+    """Per-request latency (tracing/latency.py): TTFT, TPOT, queue time and time preempted as percentiles, each
+    over the requests it applies to, then how the requests ended and when they arrived."""
+    from rich.table import Table
+
+    from tracing.latency import METRICS, scan_latency, wall_time
+    from tui.format import fmt_ns
+
+    lat = scan_latency(trace)
+    t = Table(title="latency", title_justify="left", caption_justify="left",
+              caption="TTFT: arrival to first token; TPOT: time per output token after the first; queue time: "
+                      "arrival to first scheduled; time preempted: per request preempted. Each over the requests "
+                      "it applies to (count).")
+    for k, col in enumerate(("", "count", "mean", "p50", "p90", "p99", "max")):
+        t.add_column(col, justify="left" if k == 0 else "right", style="bold" if k == 0 else None)
+    for metric, label in METRICS.items():
+        st = lat.stats(metric)
+        t.add_row(label, "0", *["-"] * 5) if st is None else t.add_row(
+            label, f"{st.count:,}", *(fmt_ns(v) for v in (st.mean, st.p50, st.p90, st.p99, st.max)))
+    console.print(t)
+    console.print(f"[bold]ends[/]: {lat.outcomes_text()}", soft_wrap=True)
+    first_last = lat.arrivals()
+    if first_last:
+        first, last = first_last
+        wall = wall_time(trace.header, first)
+        console.print(f"[bold]arrivals[/]: {plural(len(lat.requests), 'request')} from {fmt_ns(first)}"
+                      + (f" (≈ {wall})" if wall else "") + f" to {fmt_ns(last)} after t0", soft_wrap=True)
+
+
 def _info(a) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -608,6 +672,7 @@ def _info(a) -> int:
     console.print(t)
     for rank, trace in enumerate(run.traces):
         _print_summary(console, trace, "summary" if run.world_size == 1 else f"rank {rank}: {trace.path.name}")
+        _print_latency(console, trace)
     return 0
 
 

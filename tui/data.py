@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tracing.index import BLOCK_EVENTS, SLOT_EVENTS, TraceIndex, check_budget
+from tracing.latency import request_latency, wall_time
 from tracing.ranks import open_run
 from tracing.reader import TraceError, TraceFile
 from tracing.spill import blocks_of, release, take
@@ -34,7 +35,7 @@ MAX_POOL = 1 << 22         # KV blocks or state slots at most (the ownership arr
 LIFELINE_TOKENS = 24      # output tokens decoded for a lifeline's summary line (each is listed anyway)
 DETAIL_HEADER = (f"  {'seq':>5} {'epoch':>5} {'positions':>11} {'num_tokens':>10} {'slot':>4} {'sampled':>9}  "
                  "block_table")
-REQUEST_HEADER = f"{'seq':>5} {'prompt':>6} {'output':>6} {'preempt':>7} finish"   # output: tokens appended
+REQUEST_HEADER = (f"{'seq':>5} {'prompt':>6} {'output':>6} {'preempt':>7} {'ttft':>7} finish")  # output: tokens appended
 
 
 class TraceModel:
@@ -75,6 +76,7 @@ class TraceModel:
         self.blocks_in_use, self.slots_in_use = self._occupancy(res, BLOCK_EVENTS), self._occupancy(res, SLOT_EVENTS)
         self.index = ix
         self._event_cache = lru_cache(maxsize=8192)(self._event_line)
+        self.latency = lru_cache(maxsize=4096)(lambda seq: request_latency(ix, seq))  # seq_id -> RequestLatency
 
     def _per_seq(self, ix: TraceIndex, kind: str, value) -> dict:
         """seq_id -> value(event) over the events of one kind; TraceError naming a malformed one."""
@@ -159,23 +161,29 @@ class TraceModel:
         return out
 
     def request_line(self, i: int) -> str:
-        """One request: seq_id, prompt length, output tokens appended (stale ones not), preemptions, finish."""
+        """One request: seq_id, prompt length, output tokens appended (stale ones not), preemptions, TTFT (arrival
+        to first token, tracing/latency.py), finish."""
         seq = int(self.seq_ids[i])
+        ttft = self.latency(seq).ttft_ns
         return (f"{seq:>5} {self.prompt_len.get(seq, '?'):>6} {self.request_tokens[i]:>6} "
-                f"{self.request_preemptions[i]:>7} {self.finish_reasons.get(seq, 'running')}")
+                f"{self.request_preemptions[i]:>7} {'-' if ttft is None else fmt_ns(ttft):>7} "
+                f"{self.finish_reasons.get(seq, 'running')}")
 
     def lifeline(self, seq: int) -> tuple[list[str], np.ndarray]:
-        """(summary lines, event indices) of one request: every event that names it or schedules it."""
+        """(summary lines, event indices) of one request: every event that names it or schedules it. The lines:
+        its arrival and parameters, its phases and latency, its event counts, its output tokens."""
         ix = self.index
         evs = ix.events_of_request(_i32(seq))
         kinds = ix.kind[evs]
         rows = self.rows_of_steps(ix.step[evs[kinds == SCHEDULE]])
         prefill = int(np.count_nonzero(self.steps.batch_kind[rows] == 0)) if len(rows) else 0
         added = evs[kinds == KIND["request_added"]]
-        head = f"request {seq}"
+        head, lat = f"request {seq}", self.latency(int(seq))
         if len(added):
             a = ix.event_at(int(added[0]))
-            head += (f": arrived at {fmt_ns(ix.t[added[0]] + self.offset)}, "
+            wall = wall_time(self.header, a.arrival)
+            head += (f": arrived at {fmt_ns(a.arrival + self.offset)}" + (f" (≈ {wall[11:]})" if wall else "")
+                     + (f", added {fmt_ns(a.t - a.arrival)} later" if a.t > a.arrival else "") + ", "
                      f"prompt {plural(self.prompt_len[seq], 'token') if seq in self.prompt_len else '? tokens'}, "
                      f"max_tokens {a.max_tokens}, temperature {a.temperature}")
         count = lambda kind: int(np.count_nonzero(kinds == KIND[kind]))  # noqa: E731
@@ -191,7 +199,29 @@ class TraceModel:
         shown = " ".join(map(str, ids)) + (" …" if n > len(ids) else "")
         out = f"  output: {plural(n, 'token')} appended" + (f" ({stale} stale, discarded)" if stale else "") + \
             f": [{shown}]"
-        return [head, counts, out], evs
+        self._marks = (seq, self._phase_marks(lat, evs, kinds))
+        return [head, "  " + phases_text(lat), counts, out], evs
+
+    def _phase_marks(self, lat, evs: np.ndarray, kinds: np.ndarray) -> dict[int, str]:
+        """event index -> the phase its lifeline line ends or starts (tracing/latency.py): queued up to the first
+        schedule, prefill up to the first token, each preemption up to the next schedule, decode up to the finish."""
+        marks, sched = {}, evs[kinds == SCHEDULE]
+        tokens = evs[self.appended[evs]]
+        if len(sched) and lat.queued_ns is not None:
+            marks[int(sched[0])] = f"queued: {fmt_ns(lat.queued_ns)}"
+        if len(tokens) and lat.ttft_ns is not None:
+            marks[int(tokens[0])] = (f"first token, TTFT {fmt_ns(lat.ttft_ns)}; prefill: "
+                                     f"{fmt_ns(lat.first_token - lat.first_scheduled)}")
+        for p, (start, stop) in zip(evs[kinds == KIND["preempt"]], lat.preemptions):
+            k = int(np.searchsorted(sched, p))
+            if k < len(sched) and stop is not None:
+                marks[int(sched[k])] = f"preempted: {fmt_ns(stop - start)}"
+        for i in evs[kinds == KIND["cancel"]][:1]:
+            marks[int(i)] = lat.outcome or "cancelled"
+        for i in evs[kinds == FINISH][:1]:
+            if lat.first_token is not None:
+                marks[int(i)] = f"decode: {fmt_ns(lat.end - lat.first_token)}"
+        return marks
 
     def lifeline_line(self, seq: int, i: int) -> str:
         """One event of a request's lifeline; a schedule event shows the request's own row."""
@@ -203,15 +233,17 @@ class TraceModel:
     def _lifeline_line(self, seq: int, i: int) -> str:
         e = self.index.event_at(i)
         when = f"{fmt_ns(self.index.t[i] + self.offset):>10}"
+        marks = self._marks[1] if getattr(self, "_marks", (None,))[0] == seq else {}
+        mark = f"[{marks[i]}] " if i in marks else ""    # the phase this event ends or starts
         if e.kind != "schedule":
             step = self.index.step[i]
-            return f"{when} {'' if step < 0 else f'step {step}':>10} {e.kind:<13} {describe(e)}".rstrip()
+            return f"{when} {'' if step < 0 else f'step {step}':>10} {e.kind:<13} {mark}{describe(e)}".rstrip()
         for row in e.rows:
             if row.seq_id == seq:
                 n = len(row.token_ids)
                 what = "prefill chunk" if batch_kind(e) == "prefill" else "decode"
                 pos = f"positions {row.start}-{row.start + n - 1} ({n} tokens)" if n > 1 else f"position {row.start}"
-                return (f"{when} {f'step {e.step}':>10} {what:<13} {pos}, epoch {row.epoch}, "
+                return (f"{when} {f'step {e.step}':>10} {what:<13} {mark}{pos}, epoch {row.epoch}, "
                         f"slot {row.state_slot}, block_table {short_list(row.block_table)}"
                         + (", samples" if row.sample else ""))
         return f"{when} {f'step {e.step}':>10} schedule"
@@ -474,6 +506,17 @@ class RunModel:
         rows.insert(4 + self.world_size, ("", ""))
         rows.insert(5 + self.world_size, (f"rank {rank} ▸", "the rows below (R: next rank)"))
         return rows
+
+
+def phases_text(lat) -> str:
+    """A request's phases and latency in one line (tracing/latency.py): "queued 1.2 ms, prefill 30 ms, decode
+    0.9 s, preempted 2 ms (1×); TTFT 31 ms, TPOT 9.1 ms; cancelled: disconnect"."""
+    spans = [(name, end - start) for name, start, end in lat.phases() if name != "preempted" and end is not None]
+    parts = [f"{name} {fmt_ns(ns)}" for name, ns in spans]
+    if lat.preemptions:
+        parts.append(f"preempted {fmt_ns(lat.preempted_ns)} ({len(lat.preemptions)}×)")
+    times = [f"{k} {fmt_ns(v)}" for k, v in (("TTFT", lat.ttft_ns), ("TPOT", lat.tpot_ns)) if v is not None]
+    return "; ".join(p for p in (", ".join(parts), ", ".join(times), lat.outcome or "not finished") if p)
 
 
 def format_event(i: int, e: Event, t: int) -> str:

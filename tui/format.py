@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tracing.schema import BATCH_KINDS, EPOCH_REASONS, FINISH_REASONS, KIND, PHASES, Event
+from tracing.schema import BATCH_KINDS, CANCEL_CAUSES, EPOCH_REASONS, FINISH_REASONS, KIND, PHASES, Event
 
 UNITS = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
 
@@ -112,6 +112,8 @@ def describe(e: Event) -> str:
             return f"epoch {f['epoch']} ({EPOCH_REASONS[f['reason']]})"
         if k == "finish":
             return FINISH_REASONS[f["reason"]]
+        if k == "cancel":
+            return f"cause {CANCEL_CAUSES[f['cause']]}"
         if k == "cpu_span":
             return f"{PHASES[f['phase']]} {fmt_ns(f['end'] - f['start'])}"
         if k == "device_span":

@@ -1,7 +1,9 @@
-"""The Requests view: every request (seq_id, prompt length, output tokens appended, preemptions, finish
+"""The Requests view: every request (seq_id, prompt length, output tokens appended, preemptions, TTFT, finish
 reason) on the left, and the selected request's lifeline on the right: arrival, prefill chunks, decode steps,
 reservations, epoch bumps, preemptions, cancellation, finish and its tokens, one line per event, in log
-order. The list's `output` and the lifeline's "output: N tokens appended" are one number: the request's token
+order; the events where a phase ends say so in brackets (queued up to the first schedule, prefill up to the
+first token, a preemption up to the next schedule, decode up to the finish), and the head sums the phases
+(tracing/latency.py). The list's `output` and the lifeline's "output: N tokens appended" are one number: the request's token
 events with appended=True (a stale token, sampled under an old epoch or after the finish, is counted apart).
 Enter on a lifeline line selects that event's step in every view.
 """
@@ -17,7 +19,8 @@ from tui.messages import EventChosen, LineHighlighted, LineSelected, RequestChos
 from tui.views.base import View
 
 STYLES = {"preempt": "bold #ff5f5f", "epoch_bump": "#ff875f", "cancel": "bold #ff5f5f", "finish": "bold #5fd75f",
-          "request_added": "bold #5fafff", "prefill chunk": "#87afff", "stale": "#ff875f"}
+          "request_added": "bold #5fafff", "prefill chunk": "#87afff", "stale": "#ff875f", "queued:": "#d7af5f",
+          "first token": "bold #5fd75f", "cancelled": "bold #ff5f5f"}
 
 
 def _style_event(i: int, line: str) -> Text:
@@ -31,9 +34,9 @@ def _style_event(i: int, line: str) -> Text:
 
 class RequestsView(View):
     DEFAULT_CSS = """
-    RequestsView #request-side { width: 38; border-right: solid $panel; }
+    RequestsView #request-side { width: 46; border-right: solid $panel; }
     RequestsView .header { background: $panel; color: $text-muted; height: 1; }
-    RequestsView #lifeline-head { height: 4; padding: 0 1; }
+    RequestsView #lifeline-head { height: 5; padding: 0 1; }
     """
     title, key = "Requests", "4"
 
@@ -41,7 +44,7 @@ class RequestsView(View):
         with Horizontal():
             with Vertical(id="request-side"):
                 yield Static(REQUEST_HEADER, classes="header")
-                yield LineList(id="request-list", width=40)
+                yield LineList(id="request-list", width=46)
             with Vertical():
                 yield Static(id="lifeline-head")
                 yield LineList(id="lifeline", width=220, styler=_style_event)
