@@ -10,7 +10,7 @@ Each: 3 warm-up calls (compilation, the stacking of the experts), then the mean 
 CUDA events. Bytes floor: the weight bytes a call must read (the selected experts' codes and scales, the
 shared expert, the gate's fp32 copy) over 4.8 TB/s, the H200's HBM3e peak.
 
-Usage: python benchmarks/bench_fp4.py [--batches 1,16,64] [--prefill 4096] [--iters 20] [--tiny]
+Usage: python benchmarks/bench_fp4.py [--batches 1,16,64] [--prefill 4096] [--iters 20] [--tiny] [--sweep]
 (`--tiny`: micro widths on the CPU, to check the script; not a measurement.)
 """
 from __future__ import annotations
@@ -124,7 +124,8 @@ def bench_moe(moe: MoE, batches: list[int], prefill: int, iters: int, device: st
 def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> None:
     import kernels.fp8_gemm as k
 
-    print("| FP8 linear (out x in) | rows | new ms | before ms | speed-up | bytes floor ms | floor/new |")
+    print("| FP8 linear (out x in) | rows | new ms (graph) | before ms (graph) | speed-up | bytes floor ms "
+          "| floor/new |")
     print("|---|---|---|---|---|---|---|")
     for N, K in shapes:
         with torch.device("meta"):
@@ -135,14 +136,59 @@ def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> Non
         for m in batches:
             x = torch.randn(m, K, generator=gen, device=device).bfloat16()
             with torch.inference_mode():
-                new = timed(lambda: lin(x), iters, device)
+                run = graphed(lambda: lin(x)) if device == "cuda" else lambda: lin(x)
+                new = timed(run, iters, device)
                 applies, k.applies = k.applies, lambda x: False
                 try:
-                    before = timed(lambda: lin(x), max(2, iters // 4), device, warmup=1)
+                    run = graphed(lambda: lin(x)) if device == "cuda" else lambda: lin(x)
+                    before = timed(run, max(2, iters // 4), device, warmup=1)
                 finally:
                     k.applies = applies
-            print(f"| {N} x {K} | {m} | {new * 1e3:.3f} | {before * 1e3:.3f} | {before / new:.1f}x | "
+            print(f"| {N} x {K} | {m} | {new * 1e3:.4f} | {before * 1e3:.4f} | {before / new:.1f}x | "
                   f"{floor * 1e3:.4f} | {floor / new:.1%} |", flush=True)
+
+
+MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, BKP=bkp, num_warps=w, num_stages=st) for bn, bkp, w, st in
+                         [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3),
+                          (64, 128, 8, 3), (32, 256, 4, 2), (64, 64, 4, 4)]],
+             "prefill": [dict(BM=bm, BN=bn, BKP=bkp, num_warps=w, num_stages=st) for bm, bn, bkp, w, st in
+                         [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3),
+                          (128, 128, 32, 8, 4)]]}
+DENSE_SWEEP = {"decode": [(16, 64, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 128, 128, 4), (16, 64, 256, 4)],
+               "prefill": [(128, 128, 64, 8), (128, 256, 64, 8), (64, 128, 64, 4), (128, 128, 128, 8)]}
+
+
+def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
+    """Tile configurations of both kernels, each timed (CUDA graph at decode rows, eager at prefill)."""
+    from kernels import fp4_moe, fp8_gemm
+
+    E, D, inter, k = args.n_routed_experts, args.dim, args.moe_inter_dim, args.n_activated_experts
+    rnd = lambda *shape, hi=256: torch.randint(0, hi, shape, generator=gen, device="cuda", dtype=torch.uint8)
+    w13, w2 = rnd(E, 2 * inter, D // 2), rnd(E, D, inter // 2)
+    s13 = torch.full((E, 2 * inter, D // 32), 118, dtype=torch.uint8, device="cuda")
+    s2 = torch.full((E, D, inter // 32), 118, dtype=torch.uint8, device="cuda")
+    print("| routed FP4 experts rows | BM, BN, BKP, warps, stages | ms | floor/measured |")
+    print("|---|---|---|---|")
+    for n in [*batches, prefill]:
+        x = torch.randn(n, D, generator=gen, device="cuda").bfloat16()
+        ids = torch.rand(n, E, generator=gen, device="cuda").topk(k, dim=-1).indices
+        w = torch.rand(n, k, generator=gen, device="cuda")
+        floor = torch.unique(ids).numel() * 3 * D * inter * (0.5 + 1 / 32) / HBM
+        for cfg in MOE_SWEEP["decode" if n * k <= 4 * E else "prefill"]:
+            fn = lambda: fp4_moe.routed_experts(x, w, ids, w13, s13, w2, s2, 10.0, cfg=cfg)
+            s = timed(graphed(fn) if n <= max(batches) else fn, iters, "cuda")
+            print(f"| {n} | {', '.join(map(str, cfg.values()))} | {s * 1e3:.3f} | {floor / s:.1%} |", flush=True)
+    print("| FP8 GEMM (out x in) | rows | BM, BN, BK, warps | ms (graph) | floor/measured |")
+    print("|---|---|---|---|---|")
+    for N, K in [(1280, D), (D, 8192)]:
+        codes = (rnd(N, K, hi=0x7f)).view(torch.float8_e4m3fn)
+        scale = torch.full((N // 32, K // 32), 118, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
+        for m in [*batches, prefill]:
+            x = torch.randn(m, K, generator=gen, device="cuda").bfloat16()
+            for cfg in DENSE_SWEEP["decode" if m <= 64 else "prefill"]:
+                s = timed(graphed(lambda: fp8_gemm.fp8_gemm(x, codes, scale, cfg=cfg)), iters, "cuda")
+                print(f"| {N} x {K} | {m} | {', '.join(map(str, cfg))} | {s * 1e3:.4f} | {N * K / HBM / s:.1%} |",
+                      flush=True)
 
 
 def main() -> None:
@@ -152,6 +198,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--masked-max", type=int, default=64, help="largest row count the masked path is timed at")
     p.add_argument("--tiny", action="store_true", help="micro widths (CPU check of the script)")
+    p.add_argument("--sweep", action="store_true", help="time tile configurations of both kernels, then stop")
     a = p.parse_args()
     device = "cpu" if a.tiny else "cuda"
     args = preset("micro" if a.tiny else "v41-slice")
@@ -160,6 +207,8 @@ def main() -> None:
     if device == "cuda":
         print(f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
               f"torch {torch.__version__}")
+    if a.sweep:
+        return sweep(args, batches, a.prefill, a.iters, gen)
     d, inter = args.dim, args.moe_inter_dim
     shapes = [(1280, d), (args.n_heads * args.head_dim, 1280), (512, d), (d, 8192), (inter, d), (d, inter)]
     if a.tiny:

@@ -9,8 +9,9 @@ each program decodes its expert's [BN, BK] tile in registers.
 What it replaces: the grouped bf16 path cannot take FP4 experts, so released models ran the masked path
 (model/moe.py): every one of the E experts on every row, each FP4Linear dequantising its whole weight to
 fp32 then bf16 in its own matmul, E x 3 times a layer whatever the batch (384 x 3 at full width: ~7 GB of
-FP4 read and ~27 GB of bf16 written a layer a step). Here only the selected experts' weights are read, once
-per tile of rows that chose them.
+FP4 read, ~54 GB of fp32 and ~27 GB of bf16 written a layer a step; ~1.2 s a layer on an H200). Here only the
+selected experts' weights are read, once per tile of rows that chose them (0.36 ms a layer at batch 1 in a
+CUDA graph: benchmarks/RESULTS.md).
 
 The pipeline, all on the device with no host synchronisation (a CUDA graph captures it):
 1. `plan`: the N·k (row, slot) pairs sorted by expert (stable), cut into tiles of BM pairs of one expert;
@@ -86,7 +87,8 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x_ptr, pairs_ptr, tile_ptr, w_ptr, s_ptr, route_ptr, h_ptr, D, I, TOPK, limit,
-                        HW_FP8: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
+                        HW_FP8: tl.constexpr, BF16: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
         t, pid_n = tl.program_id(0), tl.program_id(1)
         e, r, live = _tile_rows(tile_ptr, t, BM)
         if e >= 0:
@@ -114,7 +116,8 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(h_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, D, I,
-                     HW_FP8: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
+                     HW_FP8: tl.constexpr, BF16: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
         t, pid_n = tl.program_id(0), tl.program_id(1)
         e, r, live = _tile_rows(tile_ptr, t, BM)
         if e >= 0:
@@ -146,9 +149,13 @@ def applies(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype == torch.bfloat16
 
 
-def block_rows(pairs: int, experts: int) -> int:
-    """Pairs per tile: 16 (tl.dot's least) while an expert gets a few rows on average (decode), else 64."""
-    return 16 if pairs <= 4 * experts else 64
+def config(pairs: int, experts: int) -> dict:
+    """Tile sizes by the shape only: BM pairs a tile (16, tl.dot's least, while an expert gets a few rows on
+    average: decode), BN outputs, BKP packed bytes of K a step; warps and pipeline stages. Chosen by
+    benchmarks/bench_fp4.py --sweep on an H200; no autotuning (a timing-dependent choice would change bits)."""
+    if pairs <= 4 * experts:  # the best of 8 at 16 and 64 rows, within 3% of the best at 1 (RESULTS.md, H200)
+        return dict(BM=16, BN=64, BKP=64, num_warps=4, num_stages=3)
+    return dict(BM=128, BN=128, BKP=64, num_warps=8, num_stages=3)  # the best of 5 at 4,096 rows
 
 
 def plan(ids: torch.Tensor, n_experts: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,11 +181,11 @@ def plan(ids: torch.Tensor, n_experts: int, BM: int) -> tuple[torch.Tensor, torc
 
 
 def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
-                   w2: torch.Tensor, s2: torch.Tensor, limit: float, hw: bool | None = None):
+                   w2: torch.Tensor, s2: torch.Tensor, limit: float, hw: bool | None = None, cfg: dict | None = None):
     """Every (row, slot) pair's expert output, bf16 [N·k, dim] in sorted pair order, and `slots` [N, k] (plan).
     xq bf16 [N, dim] (act_quant'd); weights fp32 [N, k]; ids [N, k]; w13 uint8 [E, 2·inter, dim/2] (each
     expert's w1 rows then its w3 rows), s13 e8m0 [E, 2·inter, dim/32]; w2 uint8 [E, dim, inter/2], s2 e8m0
-    [E, dim, inter/32]."""
+    [E, dim, inter/32]. `hw` and `cfg` override the e4m3 decode and the tile configuration (tests, benchmarks)."""
     from kernels.quant import act_quant_fp8
 
     N, k = ids.shape
@@ -186,20 +193,19 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     D, I = xq.size(1), I2 // 2
     if D % GROUP or I % GROUP:
         raise ValueError(f"fp4 MoE: dim {D} and inter {I} must be multiples of the scale group {GROUP}")
-    BM = block_rows(N * k, E)
+    cfg = dict(config(N * k, E), **(cfg or {}))
+    BM, BN, BKP = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("BKP")
     pairs, tiles, slots = plan(ids, E, BM)
     hw = hw_fp8(xq.device) if hw is None else hw
-    warps = 4
     hidden = torch.empty(N * k, I, dtype=torch.bfloat16, device=xq.device)
-    BN = 32 if BM == 16 else 64
     _gate_up_kernel[(tiles.size(0), triton.cdiv(I, BN))](
         xq.contiguous(), pairs, tiles, w13.view(torch.uint8), s13.view(torch.uint8), weights.contiguous().view(-1),
-        hidden, D, I, k, float(limit), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, BKP=64, num_warps=warps)
+        hidden, D, I, k, float(limit), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, BKP=BKP, **cfg)
     hidden = act_quant_fp8(hidden, GROUP)  # the official linear() before w2
     out = torch.empty(N * k, D, dtype=torch.bfloat16, device=xq.device)
     _down_kernel[(tiles.size(0), triton.cdiv(D, BN))](
-        hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, BKP=64,
-        num_warps=warps)
+        hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, HW_FP8=hw, BF16=xq.is_cuda,
+        BM=BM, BN=BN, BKP=BKP, **cfg)
     return out, slots
 
 
@@ -236,6 +242,7 @@ def moe_reference(x, weights, ids, w13, s13, w2, s2, limit: float, shared: torch
     from model.quant import act_quant_fp8, dequantize_fp4_e8m0
 
     I = w13.size(1) // 2
+    s13, s2 = s13.view(torch.float8_e8m0fnu), s2.view(torch.float8_e8m0fnu)  # bytes or e8m0: their values
     y = torch.zeros_like(x, dtype=torch.float32)
     for e in torch.unique(ids).tolist():
         rows, slot = torch.where(ids == e)

@@ -75,7 +75,8 @@ if triton is not None:
 
     @triton.jit
     def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, split_stride, k_per_split,
-                         HW_FP8: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         HW_FP8: tl.constexpr, BF16: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -113,19 +114,23 @@ def applies(x: torch.Tensor) -> bool:
 
 def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, split) for an M x N x K product: shape-dependent only."""
-    if M <= 64:  # decode: few rows, the weight bytes are the cost
-        BM, BN, BK, warps = max(16, triton.next_power_of_2(M)), 64, 128, 4
+    if M <= 64:  # decode: few rows, the weight bytes are the cost (tiles: bench_fp4.py --sweep on an H200)
+        BM, BN, BK, warps = 16, 64, 256, 4
     else:
         BM, BN, BK, warps = 128, 128, 64, 8
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    split = max(1, min(TARGET_PROGRAMS // tiles, triton.cdiv(K, BK), 16))
-    return BM, BN, BK, warps, split
+    return BM, BN, BK, warps, _split(M, N, K, BM, BN, BK)
+
+
+def _split(M: int, N: int, K: int, BM: int, BN: int, BK: int) -> int:
+    """K split: enough programs for TARGET_PROGRAMS, at most 16 parts, each at least one K block."""
+    return max(1, min(TARGET_PROGRAMS // (triton.cdiv(M, BM) * triton.cdiv(N, BN)), triton.cdiv(K, BK), 16))
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: int | None = None,
-             hw: bool | None = None) -> torch.Tensor:
+             hw: bool | None = None, cfg: tuple | None = None) -> torch.Tensor:
     """x bf16 [..., K] (already FP8-quantised and back), weight float8_e4m3fn [N, K], scale float8_e8m0fnu
-    [ceil(N/32), K/32] -> bf16 [..., N]. `split` and `hw` override the K split and the e4m3 decode (tests)."""
+    [ceil(N/32), K/32] -> bf16 [..., N]. `split`, `hw` and `cfg` override the K split, the e4m3 decode and
+    the (BM, BN, BK, num_warps) tiles (tests, benchmarks)."""
     N, K = weight.shape
     if K % TILE or scale.shape != (triton.cdiv(N, TILE), K // TILE):
         raise ValueError(f"fp8_gemm: weight {tuple(weight.shape)} with scale {tuple(scale.shape)} is not "
@@ -134,7 +139,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: 
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     M = rows.size(0)
-    BM, BN, BK, warps, auto_split = config(M, N, K)
+    BM, BN, BK, warps, auto_split = config(M, N, K) if cfg is None else (*cfg, _split(M, N, K, *cfg[:3]))
     k_per_split = triton.cdiv(triton.cdiv(K, BK), split or auto_split) * BK
     split = triton.cdiv(K, k_per_split)
     out = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else torch.bfloat16, device=x.device)

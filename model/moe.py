@@ -146,7 +146,8 @@ class MoE(nn.Module):
         e0, E = self.experts[0], len(self.experts)
         inter = e0.w1.weight.size(0)
         like = lambda p, *shape: torch.empty(E, *shape, dtype=torch.uint8, device=p.device)
-        w13, s13 = like(e0.w1.weight, 2 * inter, e0.w1.weight.size(1)), like(e0.w1.scale, 2 * inter, e0.w1.scale.size(1))
+        w13 = like(e0.w1.weight, 2 * inter, e0.w1.weight.size(1))
+        s13 = like(e0.w1.scale, 2 * inter, e0.w1.scale.size(1))
         w2, s2 = like(e0.w2.weight, *e0.w2.weight.shape), like(e0.w2.scale, *e0.w2.scale.shape)
         for i, e in enumerate(self.experts):
             for lin, codes, scales in ((e.w1, w13[i, :inter], s13[i, :inter]), (e.w3, w13[i, inter:], s13[i, inter:]),
