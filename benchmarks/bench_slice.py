@@ -6,7 +6,8 @@ then one engine with enough KV blocks for the largest batch x context. Decode: b
 `decode_run` (B requests of a C-token prompt prefilled, `--warmup` decode steps, which capture the CUDA
 graph, then `--steps` timed decode steps at temperature 1, ZOS on), graphs and, at batch 1, eager beside
 them. A (batch, context) whose prompts would need more than `--max-prefill-tokens` tokens of prefill is
-skipped and said so (the slice's masked FP4 MoE makes its prefill slow: issue #20 item 3).
+skipped and said so (the masked FP4 MoE made the slice's prefill slow; since issue #20 item 3 the grouped
+FP4 kernels run it, kernels/fp4_moe.py).
 Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first token), after one untimed run.
 `max_seq_len` is raised on the loaded weights when a context needs it (no numeric effect, spec §8).
 

@@ -17,7 +17,9 @@ A Hugging Face `deepseek-ai/DeepSeek-V4.1-Flash` folder, as far as public code s
 The weights stay in their storage format: `FP8Linear` and `FP4Linear` (subclasses of the model's `Linear`,
 swapped into the module tree, so every name stays the official one) dequantise inside each matmul, after
 quantising the activation to FP8 with one ue8m0 scale per 32 values, as the official `linear()` does before
-its `fp8_gemm` / `fp4_gemm`. The real model dequantised would need about 1.5 TB.
+its `fp8_gemm` / `fp4_gemm`. On CUDA an FP8Linear runs kernels/fp8_gemm.py (the codes decoded in registers)
+and the routed FP4 experts run model/moe.py's grouped kernel (kernels/fp4_moe.py); the torch paths here
+serve CPU and the batch-invariant mode. The real model dequantised would need about 1.5 TB.
 
 `quantize_checkpoint` writes this format from a project checkpoint (`mdi-trace checkpoint quantize`).
 Mirrors DeepSeek's inference/convert.py (names, I8 experts, wo_a) and `Linear`/`linear()` of
@@ -36,6 +38,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kernels import fp8_gemm
+from kernels import quant as quant_kernel
 from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.attention import Linear
 from model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint, parameter_specs, save_tensors
@@ -86,7 +90,11 @@ class FP8Linear(Linear):
         return dequantize_fp8_tiles(self.weight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the dequantised weight lives for this matmul only; its values are exact in bf16
+        if fp8_gemm.applies(x) and type(self) is FP8Linear and not invariant.enabled():
+            # CUDA: one act_quant launch, then the block-scaled GEMM reading the FP8 codes (kernels/fp8_gemm.py)
+            return fp8_gemm.fp8_gemm(quant_kernel.act_quant_fp8(x, WEIGHT_TILE), self.weight, self.scale)
+        # the torch path (CPU, the batch-invariant mode, fp32 activations; FP4Linear, whose experts' CUDA path
+        # is model/moe.py's grouped kernel): the dequantised weight lives for this matmul only, exact in bf16
         return invariant.linear(act_quant_fp8(x, WEIGHT_TILE), self.dense_weight().to(x.dtype))  # F.linear, or tiles
 
 
@@ -136,9 +144,6 @@ def storage_model(args: ModelArgs, storage: Storage, shard=None):
             if kind != "bf16" and not DENSE_AT_LOAD.fullmatch(path):
                 out_features, in_features = module.weight.shape
                 model.set_submodule(path, (FP4Linear if kind == "fp4" else FP8Linear)(in_features, out_features))
-    if storage.of("layers.0.ffn.experts.0.w1") != "bf16":
-        for block in model.layers:
-            block.ffn.grouped = False  # the grouped CUDA path stacks bf16 weights; the masked one calls each Linear
     model.storage = storage
     return model
 

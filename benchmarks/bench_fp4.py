@@ -1,0 +1,222 @@
+"""Issue #20 item 3: the FP8 dense GEMM and the FP4 grouped MoE kernels against the paths they replace, at the
+v41-slice's widths (synthetic weights: random codes and scales of the released storage, one layer's MoE).
+
+- dense: FP8Linear on CUDA now (kernels/quant.py act_quant, kernels/fp8_gemm.py) against its torch path
+  (model/quant.py act_quant, the weight dequantised to fp32 then bf16, F.linear), per slice linear shape.
+- MoE: model/moe.py MoE.forward over 384 FP4 experts top 6 (dim 5120, inter 2304) and the FP8 shared expert:
+  the grouped path (kernels/fp4_moe.py) eager and replayed from a CUDA graph, against the masked path
+  (`MoE.grouped = False`: every expert's FP4Linear dequantising on every row; at decode batches only).
+Each: 3 warm-up calls (compilation, the stacking of the experts), then the mean of `--iters` calls between
+CUDA events. Bytes floor: the weight bytes a call must read (the selected experts' codes and scales, the
+shared expert, the gate's fp32 copy) over 4.8 TB/s, the H200's HBM3e peak.
+
+Usage: python benchmarks/bench_fp4.py [--batches 1,16,64] [--prefill 4096] [--iters 20] [--tiny] [--sweep]
+(`--tiny`: micro widths on the CPU, to check the script; not a measurement.)
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from model.config import preset
+from model.moe import MoE
+from model.released import FP4Linear, FP8Linear
+
+HBM = 4.8e12  # bytes/s, H200 peak
+
+
+def timed(fn, iters: int, device: str, warmup: int = 3) -> float:
+    """Mean seconds per call after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) / iters
+
+
+def graphed(fn):
+    """fn captured once in a CUDA graph (after fn's warm-up); returns the replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def random_fp8(lin: FP8Linear, gen, scale_byte: int) -> None:
+    """Codes 0..0x7e with a random sign (no NaN code), one e8m0 byte for every scale."""
+    codes = torch.randint(0, 0x7f, lin.weight.shape, generator=gen, device=gen.device, dtype=torch.uint8)
+    codes |= torch.randint(0, 2, lin.weight.shape, generator=gen, device=gen.device, dtype=torch.uint8) << 7
+    lin.weight.data = codes.view(torch.float8_e4m3fn)
+    lin.scale.data = torch.full(lin.scale.shape, scale_byte, dtype=torch.uint8, device=gen.device).view(lin.scale.dtype)
+
+
+def synthetic_moe(args, device: str, gen) -> MoE:
+    """One MoE of `args` in the released storage: FP4 routed experts, FP8 shared expert, random codes."""
+    with torch.device("meta"):
+        moe = MoE(args)
+        for e in [*moe.experts, moe.shared_experts]:
+            cls = FP4Linear if e is not moe.shared_experts else FP8Linear
+            for name in ("w1", "w2", "w3"):
+                out_features, in_features = getattr(e, name).weight.shape
+                setattr(e, name, cls(in_features, out_features))
+    moe.to_empty(device=device)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=gen, device=device) * 0.02)
+        moe.gate.bias.zero_()
+        for e in moe.experts:
+            for lin in (e.w1, e.w2, e.w3):
+                lin.weight.data = torch.randint(0, 256, lin.weight.shape, generator=gen, device=device,
+                                                dtype=torch.uint8).view(lin.weight.dtype)
+                lin.scale.data = torch.full(lin.scale.shape, 118, dtype=torch.uint8, device=device).view(
+                    lin.scale.dtype)  # 2^-9: values up to 6·2^-9
+        for lin in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+            random_fp8(lin, gen, 115)  # 2^-12: values up to 448·2^-12
+    return moe
+
+
+def moe_bytes(moe: MoE, ids: torch.Tensor) -> int:
+    """Weight bytes one forward must read: the selected experts' FP4 codes and scales, the shared expert's
+    FP8 codes and scales, the gate's fp32 weight."""
+    per_expert = sum(p.numel() * p.element_size() for p in moe.experts[0].parameters())
+    shared = sum(p.numel() * p.element_size() for p in moe.shared_experts.parameters())
+    return torch.unique(ids).numel() * per_expert + shared + moe.gate.weight.numel() * 4
+
+
+def bench_moe(moe: MoE, batches: list[int], prefill: int, iters: int, device: str, gen, masked_max: int) -> None:
+    print("| MoE rows | path | ms/call | weight bytes read | bytes floor ms | floor/measured |")
+    print("|---|---|---|---|---|---|")
+    for n in [*batches, *([prefill] if prefill else [])]:
+        x = (torch.randn(n, moe.gate.weight.size(1), generator=gen, device=device) * 0.5).bfloat16()
+        with torch.inference_mode():
+            _, ids = moe.gate(x)
+            floor = moe_bytes(moe, ids) / HBM
+            rows = [("grouped FP4 kernels, eager", lambda: moe(x))]
+            if device == "cuda" and n <= max(batches):
+                rows.append(("grouped FP4 kernels, CUDA graph", graphed(lambda: moe(x))))
+            for name, fn in rows:
+                s = timed(fn, iters, device)
+                print(f"| {n} | {name} | {s * 1e3:.3f} | {moe_bytes(moe, ids) / 1e6:.1f} MB | {floor * 1e3:.3f} | "
+                      f"{floor / s:.1%} |", flush=True)
+            if n <= masked_max:
+                MoE.grouped = False
+                try:
+                    s = timed(lambda: moe(x), 2, device, warmup=1)
+                finally:
+                    MoE.grouped = True
+                print(f"| {n} | masked (before: every expert dequantised, on every row), eager | {s * 1e3:.1f} | "
+                      f"- | {floor * 1e3:.3f} | {floor / s:.2%} |", flush=True)
+
+
+def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> None:
+    import kernels.fp8_gemm as k
+
+    print("| FP8 linear (out x in) | rows | new ms (graph) | before ms (graph) | speed-up | bytes floor ms "
+          "| floor/new |")
+    print("|---|---|---|---|---|---|---|")
+    for N, K in shapes:
+        with torch.device("meta"):
+            lin = FP8Linear(K, N)
+        lin.to_empty(device=device)
+        random_fp8(lin, gen, 118)
+        floor = (N * K + lin.scale.numel()) / HBM
+        for m in batches:
+            x = torch.randn(m, K, generator=gen, device=device).bfloat16()
+            with torch.inference_mode():
+                run = graphed(lambda: lin(x)) if device == "cuda" else lambda: lin(x)
+                new = timed(run, iters, device)
+                applies, k.applies = k.applies, lambda x: False
+                try:
+                    run = graphed(lambda: lin(x)) if device == "cuda" else lambda: lin(x)
+                    before = timed(run, max(2, iters // 4), device, warmup=1)
+                finally:
+                    k.applies = applies
+            print(f"| {N} x {K} | {m} | {new * 1e3:.4f} | {before * 1e3:.4f} | {before / new:.1f}x | "
+                  f"{floor * 1e3:.4f} | {floor / new:.1%} |", flush=True)
+
+
+MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, BKP=bkp, num_warps=w, num_stages=st) for bn, bkp, w, st in
+                         [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3),
+                          (64, 128, 8, 3), (32, 256, 4, 2), (64, 64, 4, 4)]],
+             "prefill": [dict(BM=bm, BN=bn, BKP=bkp, num_warps=w, num_stages=st) for bm, bn, bkp, w, st in
+                         [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3),
+                          (128, 128, 32, 8, 4)]]}
+DENSE_SWEEP = {"decode": [(16, 64, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 128, 128, 4), (16, 64, 256, 4)],
+               "prefill": [(128, 128, 64, 8), (128, 256, 64, 8), (64, 128, 64, 4), (128, 128, 128, 8)]}
+
+
+def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
+    """Tile configurations of both kernels, each timed (CUDA graph at decode rows, eager at prefill)."""
+    from kernels import fp4_moe, fp8_gemm
+
+    E, D, inter, k = args.n_routed_experts, args.dim, args.moe_inter_dim, args.n_activated_experts
+    rnd = lambda *shape, hi=256: torch.randint(0, hi, shape, generator=gen, device="cuda", dtype=torch.uint8)
+    w13, w2 = rnd(E, 2 * inter, D // 2), rnd(E, D, inter // 2)
+    s13 = torch.full((E, 2 * inter, D // 32), 118, dtype=torch.uint8, device="cuda")
+    s2 = torch.full((E, D, inter // 32), 118, dtype=torch.uint8, device="cuda")
+    print("| routed FP4 experts rows | BM, BN, BKP, warps, stages | ms | floor/measured |")
+    print("|---|---|---|---|")
+    for n in [*batches, prefill]:
+        x = torch.randn(n, D, generator=gen, device="cuda").bfloat16()
+        ids = torch.rand(n, E, generator=gen, device="cuda").topk(k, dim=-1).indices
+        w = torch.rand(n, k, generator=gen, device="cuda")
+        floor = torch.unique(ids).numel() * 3 * D * inter * (0.5 + 1 / 32) / HBM
+        for cfg in MOE_SWEEP["decode" if n * k <= 4 * E else "prefill"]:
+            fn = lambda: fp4_moe.routed_experts(x, w, ids, w13, s13, w2, s2, 10.0, cfg=cfg)
+            s = timed(graphed(fn) if n <= max(batches) else fn, iters, "cuda")
+            print(f"| {n} | {', '.join(map(str, cfg.values()))} | {s * 1e3:.3f} | {floor / s:.1%} |", flush=True)
+    print("| FP8 GEMM (out x in) | rows | BM, BN, BK, warps | ms (graph) | floor/measured |")
+    print("|---|---|---|---|---|")
+    for N, K in [(1280, D), (D, 8192)]:
+        codes = (rnd(N, K, hi=0x7f)).view(torch.float8_e4m3fn)
+        scale = torch.full((N // 32, K // 32), 118, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
+        for m in [*batches, prefill]:
+            x = torch.randn(m, K, generator=gen, device="cuda").bfloat16()
+            for cfg in DENSE_SWEEP["decode" if m <= 64 else "prefill"]:
+                s = timed(graphed(lambda: fp8_gemm.fp8_gemm(x, codes, scale, cfg=cfg)), iters, "cuda")
+                print(f"| {N} x {K} | {m} | {', '.join(map(str, cfg))} | {s * 1e3:.4f} | {N * K / HBM / s:.1%} |",
+                      flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--prefill", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--masked-max", type=int, default=64, help="largest row count the masked path is timed at")
+    p.add_argument("--tiny", action="store_true", help="micro widths (CPU check of the script)")
+    p.add_argument("--sweep", action="store_true", help="time tile configurations of both kernels, then stop")
+    a = p.parse_args()
+    device = "cpu" if a.tiny else "cuda"
+    args = preset("micro" if a.tiny else "v41-slice")
+    gen = torch.Generator(device=device).manual_seed(0)
+    batches = [int(b) for b in a.batches.split(",")]
+    if device == "cuda":
+        print(f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
+              f"torch {torch.__version__}")
+    if a.sweep:
+        return sweep(args, batches, a.prefill, a.iters, gen)
+    d, inter = args.dim, args.moe_inter_dim
+    shapes = [(1280, d), (args.n_heads * args.head_dim, 1280), (512, d), (d, 8192), (inter, d), (d, inter)]
+    if a.tiny:
+        shapes = [(64, 64)]
+    bench_dense(shapes, [*batches, *([a.prefill] if a.prefill else [])], a.iters, device, gen)
+    moe = synthetic_moe(args, device, gen)
+    bench_moe(moe, batches, a.prefill, a.iters, device, gen, a.masked_max)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The grouped MoE over FP4 experts (spec §5; mirrors `Expert.forward` and `MoE.forward` of DeepSeek's inference/model.py
+with the routed experts in `fp4_gemm`'s storage).
+
+The routed experts stay as the released files store them: e2m1 codes two per byte (the even element in the
+low nibble) [E, out, in/2] and one e8m0 scale per 32 values along K [E, out, in/32] (model/released.py
+FP4Linear, stacked by model/moe.py `fp4_stacked` as views, no copy kept). No bf16 copy of an expert exists:
+each program decodes its expert's [BN, BK] tile in registers.
+
+What it replaces: the grouped bf16 path cannot take FP4 experts, so released models ran the masked path
+(model/moe.py): every one of the E experts on every row, each FP4Linear dequantising its whole weight to
+fp32 then bf16 in its own matmul, E x 3 times a layer whatever the batch (384 x 3 at full width: ~7 GB of
+FP4 read, ~54 GB of fp32 and ~27 GB of bf16 written a layer a step; ~1.2 s a layer on an H200). Here only the
+selected experts' weights are read, once per tile of rows that chose them (0.36 ms a layer at batch 1 in a
+CUDA graph: benchmarks/RESULTS.md).
+
+The pipeline, all on the device with no host synchronisation (a CUDA graph captures it):
+1. `plan`: the N·k (row, slot) pairs sorted by expert (stable), cut into tiles of BM pairs of one expert;
+   a fixed upper bound of tiles (cdiv(N·k, BM) + min(E, N·k)), the unused ones marked dead (-1).
+2. `_gate_up_kernel`: per (tile, block of inter), gather the tile's rows of x (FP8-quantised, act_quant),
+   w1 and w3 products (two fp32 accumulators), each rounded to bf16 as the GEMM output of spec §5 step 1,
+   then the clamps, silu(g)·u and the routing weight in fp32 (kernels/moe.py's operations), bf16 out, in
+   sorted pair order [N·k, inter].
+3. act_quant of that hidden (kernels/quant.py, per 32, as the official linear() before w2).
+4. `_down_kernel`: per (tile, block of dim), the w2 product, bf16 out [N·k, dim].
+5. `_combine_kernel`: each row adds its k outputs in fp32 in ascending expert id, the shared expert's
+   output (FP8 dense, kernels/fp8_gemm.py) last, one rounding: the adds of the official loop.
+
+FP4 decode: a code's e2m1 bits map onto e4m3 bits (sign to bit 7, exponent and mantissa to bits 2-4), whose
+value is the e2m1 value times 2^-6 (0.5 lands on the e4m3 subnormal 2^-7); the 2^6 goes into the scale.
+So one e4m3 decode (kernels/fp8_gemm.py: hardware on sm_89+, integer arithmetic elsewhere) serves both
+formats. K is walked two values a byte: the even elements' codes (low nibbles) meet x's even columns, the
+odd ones x's odd columns, in two dots into one accumulator (no interleaving of registers).
+
+Numerics against the torch path (the official loop, FP4Linear dequantising to bf16 then F.linear): the
+same exact products (e2m1 times a power of two, times an e4m3 activation, exact in fp32), summed in fp32 in
+another order, then the same roundings and the same pointwise operations in the same order.
+"""
+import torch
+
+try:  # Triton ships Linux wheels only; elsewhere model/moe.py's torch path is the only path.
+    import triton
+    import triton.language as tl
+
+    from kernels.fp8_gemm import _dot, _e4m3_values, _round_bf16, _e8m0_values, hw_fp8
+except ImportError:
+    triton = None
+
+GROUP = 32  # values per e8m0 scale along K (model/quant.py FP4_WEIGHT_GROUP)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp4_tile_dot(acc, x_ptr, x_rows, live, K, w_base, s_base, w_rows, w_live,
+                      HW_FP8: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
+        """acc += x[x_rows, :K] · dequant(W[w_rows])ᵀ: x bf16 [., K] row-major, W's codes packed [., K/2] at
+        w_base, its e8m0 scales [., K/32] at s_base; w_rows [BN], the rows of x masked by `live`."""
+        KP, G = K // 2, K // 32
+        j = tl.arange(0, BKP)
+        g = tl.arange(0, BKP // 16)
+        for kp0 in range(0, KP, BKP):
+            jj = kp0 + j
+            xm = live[:, None] & (jj < KP)[None, :]
+            x_even = tl.load(x_ptr + x_rows[:, None] * K + 2 * jj[None, :], mask=xm, other=0.0)
+            x_odd = tl.load(x_ptr + x_rows[:, None] * K + 2 * jj[None, :] + 1, mask=xm, other=0.0)
+            wm = w_live[:, None] & (jj < KP)[None, :]
+            b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=wm, other=0).to(tl.int32)
+            gg = kp0 // 16 + g
+            s = tl.load(s_base + w_rows[:, None] * G + gg[None, :], mask=w_live[:, None] & (gg < G)[None, :],
+                        other=127)
+            # each scale times 2^6 (the e4m3 decode's offset), over its 16 bytes
+            s = tl.reshape(tl.broadcast_to(_e8m0_values(s, 6)[:, :, None], (BN, BKP // 16, 16)), (BN, BKP))
+            lo, hi = b & 15, b >> 4
+            w_even = _e4m3_values(((lo & 8) << 4) | ((lo & 7) << 2), HW_FP8) * s  # exact in bf16
+            w_odd = _e4m3_values(((hi & 8) << 4) | ((hi & 7) << 2), HW_FP8) * s
+            acc = _dot(x_even, tl.trans(w_even), acc, BF16)
+            acc = _dot(x_odd, tl.trans(w_odd), acc, BF16)
+        return acc
+
+    @triton.jit
+    def _tile_rows(tile_ptr, t, BM: tl.constexpr):
+        """(expert, sorted pair rows [BM], live mask) of tile t; expert -1 for a dead tile."""
+        e = tl.load(tile_ptr + 3 * t)
+        row0, row_end = tl.load(tile_ptr + 3 * t + 1), tl.load(tile_ptr + 3 * t + 2)
+        r = row0 + tl.arange(0, BM)
+        return e, r, r < row_end
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, pairs_ptr, tile_ptr, w_ptr, s_ptr, route_ptr, h_ptr, D, I, TOPK, limit,
+                        HW_FP8: tl.constexpr, BF16: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
+        t, pid_n = tl.program_id(0), tl.program_id(1)
+        e, r, live = _tile_rows(tile_ptr, t, BM)
+        if e >= 0:
+            pair = tl.load(pairs_ptr + r, mask=live, other=0)
+            token = (pair // TOPK).to(tl.int64)
+            n = pid_n * BN + tl.arange(0, BN)
+            n_live = n < I
+            e64 = e.to(tl.int64)
+            w_base = w_ptr + e64 * (2 * I) * (D // 2)  # w13 [E, 2I, D/2]: w1's rows, then w3's
+            s_base = s_ptr + e64 * (2 * I) * (D // 32)
+            g = _fp4_tile_dot(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, token, live, D, w_base, s_base, n,
+                              n_live, HW_FP8, BF16, BN, BKP)
+            u = _fp4_tile_dot(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, token, live, D, w_base, s_base, I + n,
+                              n_live, HW_FP8, BF16, BN, BKP)
+            g = _round_bf16(g, BF16).to(tl.float32)  # the GEMM outputs are bf16 (spec §5 step 1)
+            u = _round_bf16(u, BF16).to(tl.float32)
+            if limit > 0:
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+                g = tl.minimum(g, limit)
+            hidden = tl.div_rn(g, 1.0 + tl.exp((-g).to(tl.float64)).to(tl.float32)) * u  # silu(g)·u (kernels/moe.py)
+            weight = tl.load(route_ptr + pair, mask=live, other=0.0)
+            hidden = weight[:, None] * hidden
+            tl.store(h_ptr + r.to(tl.int64)[:, None] * I + n[None, :], _round_bf16(hidden, BF16),
+                     mask=live[:, None] & n_live[None, :])
+
+    @triton.jit
+    def _down_kernel(h_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, D, I,
+                     HW_FP8: tl.constexpr, BF16: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
+        t, pid_n = tl.program_id(0), tl.program_id(1)
+        e, r, live = _tile_rows(tile_ptr, t, BM)
+        if e >= 0:
+            n = pid_n * BN + tl.arange(0, BN)
+            n_live = n < D
+            e64 = e.to(tl.int64)
+            w_base = w_ptr + e64 * D * (I // 2)  # w2 [E, D, I/2]
+            s_base = s_ptr + e64 * D * (I // 32)
+            acc = _fp4_tile_dot(tl.zeros((BM, BN), dtype=tl.float32), h_ptr, r.to(tl.int64), live, I,
+                                w_base, s_base, n, n_live, HW_FP8, BF16, BN, BKP)
+            tl.store(out_ptr + r.to(tl.int64)[:, None] * D + n[None, :], _round_bf16(acc, BF16),
+                     mask=live[:, None] & n_live[None, :])
+
+    @triton.jit
+    def _combine_kernel(out_ptr, slots_ptr, shared_ptr, y_ptr, D, TOPK: tl.constexpr, BF16: tl.constexpr,
+                        BD: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        acc = tl.zeros((BD,), dtype=tl.float32)
+        for j in tl.static_range(TOPK):  # the row's pairs in ascending expert id
+            p = tl.load(slots_ptr + n * TOPK + j)
+            acc += tl.load(out_ptr + p * D + d, mask=d < D, other=0.0).to(tl.float32)
+        acc += tl.load(shared_ptr + n * D + d, mask=d < D, other=0.0).to(tl.float32)  # the shared expert last
+        tl.store(y_ptr + n * D + d, _round_bf16(acc, BF16), mask=d < D)
+
+
+def applies(x: torch.Tensor) -> bool:
+    """CUDA, Triton present, bf16 activations."""
+    return triton is not None and x.is_cuda and x.dtype == torch.bfloat16
+
+
+def config(pairs: int, experts: int) -> dict:
+    """Tile sizes by the shape only: BM pairs a tile (16, tl.dot's least, while an expert gets a few rows on
+    average: decode), BN outputs, BKP packed bytes of K a step; warps and pipeline stages. Chosen by
+    benchmarks/bench_fp4.py --sweep on an H200; no autotuning (a timing-dependent choice would change bits)."""
+    if pairs <= 4 * experts:  # the best of 8 at 16 and 64 rows, within 3% of the best at 1 (RESULTS.md, H200)
+        return dict(BM=16, BN=64, BKP=64, num_warps=4, num_stages=3)
+    return dict(BM=128, BN=128, BKP=64, num_warps=8, num_stages=3)  # the best of 5 at 4,096 rows
+
+
+def plan(ids: torch.Tensor, n_experts: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [N, k] -> (pairs [N·k]: pair indices n·k + slot sorted by expert; tiles int64 [T, 3]: (expert or -1,
+    first sorted row, end row) for T = cdiv(N·k, BM) + min(E, N·k); slots [N, k]: each row's sorted rows in
+    ascending expert id). Device ops only, fixed shapes."""
+    N, k = ids.shape
+    P, E = N * k, n_experts
+    flat = ids.reshape(-1)
+    pairs = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ends = counts.cumsum(0)
+    n_tiles = (counts + BM - 1) // BM
+    tile_ends = n_tiles.cumsum(0)
+    t = torch.arange(triton.cdiv(P, BM) + min(E, P), device=ids.device)
+    e = torch.searchsorted(tile_ends, t, right=True)
+    ec = e.clamp(max=E - 1)
+    row0 = ends[ec] - counts[ec] + (t - (tile_ends[ec] - n_tiles[ec])) * BM
+    tiles = torch.stack([torch.where(e < E, e, -1), row0, torch.minimum(row0 + BM, ends[ec])], dim=1)
+    position = torch.empty_like(pairs).scatter_(0, pairs, torch.arange(P, device=ids.device))
+    slots = position.view(N, k).gather(1, ids.argsort(dim=-1))
+    return pairs, tiles.contiguous(), slots.contiguous()
+
+
+def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
+                   w2: torch.Tensor, s2: torch.Tensor, limit: float, hw: bool | None = None, cfg: dict | None = None):
+    """Every (row, slot) pair's expert output, bf16 [N·k, dim] in sorted pair order, and `slots` [N, k] (plan).
+    xq bf16 [N, dim] (act_quant'd); weights fp32 [N, k]; ids [N, k]; w13 uint8 [E, 2·inter, dim/2] (each
+    expert's w1 rows then its w3 rows), s13 e8m0 [E, 2·inter, dim/32]; w2 uint8 [E, dim, inter/2], s2 e8m0
+    [E, dim, inter/32]. `hw` and `cfg` override the e4m3 decode and the tile configuration (tests, benchmarks)."""
+    from kernels.quant import act_quant_fp8
+
+    N, k = ids.shape
+    E, I2, _ = w13.shape
+    D, I = xq.size(1), I2 // 2
+    if D % GROUP or I % GROUP:
+        raise ValueError(f"fp4 MoE: dim {D} and inter {I} must be multiples of the scale group {GROUP}")
+    cfg = dict(config(N * k, E), **(cfg or {}))
+    BM, BN, BKP = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("BKP")
+    pairs, tiles, slots = plan(ids, E, BM)
+    hw = hw_fp8(xq.device) if hw is None else hw
+    hidden = torch.empty(N * k, I, dtype=torch.bfloat16, device=xq.device)
+    _gate_up_kernel[(tiles.size(0), triton.cdiv(I, BN))](
+        xq.contiguous(), pairs, tiles, w13.view(torch.uint8), s13.view(torch.uint8), weights.contiguous().view(-1),
+        hidden, D, I, k, float(limit), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, BKP=BKP, **cfg)
+    hidden = act_quant_fp8(hidden, GROUP)  # the official linear() before w2
+    out = torch.empty(N * k, D, dtype=torch.bfloat16, device=xq.device)
+    _down_kernel[(tiles.size(0), triton.cdiv(D, BN))](
+        hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, HW_FP8=hw, BF16=xq.is_cuda,
+        BM=BM, BN=BN, BKP=BKP, **cfg)
+    return out, slots
+
+
+def combine(out: torch.Tensor, slots: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """[N, dim] bf16: each row's routed outputs (out [N·k, dim] at slots [N, k]) added in fp32 in ascending
+    expert id, then shared [N, dim], rounded once (spec §5 "Output")."""
+    N, k = slots.shape
+    D = out.size(1)
+    y = torch.empty(N, D, dtype=shared.dtype, device=out.device)
+    if N:
+        block = min(1024, triton.next_power_of_2(D))
+        _combine_kernel[(N, triton.cdiv(D, block))](out, slots, shared.contiguous(), y, D, TOPK=k,
+                                                    BF16=out.is_cuda, BD=block)
+    return y
+
+
+def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, s13, w2, s2, limit: float,
+        shared: torch.Tensor, hw: bool | None = None) -> torch.Tensor:
+    """The routed experts of model/moe.py MoE.forward plus the shared expert's output `shared` [N, dim]:
+    x bf16 [N, dim] -> y bf16 [N, dim]."""
+    from kernels.quant import act_quant_fp8
+
+    if not x.size(0):
+        return torch.empty_like(x)
+    out, slots = routed_experts(act_quant_fp8(x, GROUP), weights, ids, w13, s13, w2, s2, limit, hw)
+    return combine(out, slots, shared)
+
+
+def moe_reference(x, weights, ids, w13, s13, w2, s2, limit: float, shared: torch.Tensor) -> torch.Tensor:
+    """The torch path: the official per-expert loop, each FP4 weight dequantised to bf16 (model/released.py
+    FP4Linear, model/moe.py Expert), the routed outputs added in ascending expert id, the shared one last."""
+    import torch.nn.functional as F
+
+    from model.quant import act_quant_fp8, dequantize_fp4_e8m0
+
+    I = w13.size(1) // 2
+    s13, s2 = s13.view(torch.float8_e8m0fnu), s2.view(torch.float8_e8m0fnu)  # bytes or e8m0: their values
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.where(ids == e)
+        xq = act_quant_fp8(x[rows], GROUP)
+        w = dequantize_fp4_e8m0(w13[e], s13[e]).to(x.dtype)
+        g, u = F.linear(xq, w[:I]).float(), F.linear(xq, w[I:]).float()
+        if limit > 0:
+            u, g = u.clamp(-limit, limit), g.clamp(max=limit)
+        hidden = (weights[rows, slot, None] * (F.silu(g) * u)).to(x.dtype)
+        y[rows] += F.linear(act_quant_fp8(hidden, GROUP), dequantize_fp4_e8m0(w2[e], s2[e]).to(x.dtype))
+    return (y + shared).to(x.dtype)

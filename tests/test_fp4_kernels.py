@@ -1,0 +1,131 @@
+"""kernels/fp8_gemm.py and kernels/fp4_moe.py (issue #20 item 3) against their torch paths, under Triton's
+CPU interpreter (conftest sets TRITON_INTERPRET=1 without CUDA) at tiny shapes; tests/gpu/test_fp4_gpu.py
+runs them compiled at the v41-slice's shapes.
+
+What may differ, and so the tolerances: both sides compute the same exact products (an e4m3 or e2m1 code
+times a power-of-two scale is exact in bf16, and the product of two such values exact in fp32), summed in
+fp32 in another order (the kernel's K blocks, or its split, against torch's GEMM), then rounded to bf16. An
+fp32 sum of K terms in any order is within K·2^-24·Σ|terms| of the exact one (Higham's γ_K), and the bf16
+rounding adds half an ulp (2^-9 relative). Under the interpreter the kernels also round to bf16 on the bits
+(its cast truncates) and dot in fp32 (it has no bf16 matmul): the same values as the compiled bf16 MMA.
+"""
+import os
+
+import pytest
+import torch
+
+from kernels import fp4_moe, fp8_gemm
+from model.quant import act_quant_fp8, dequantize_fp8_tiles, quantize_fp4_e8m0, quantize_fp8_tiles
+
+needs_interpreter = pytest.mark.skipif(
+    fp8_gemm.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by conftest without CUDA); tests/gpu covers CUDA")
+
+
+def within_fp32_sum_and_bf16_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """|got - x·wᵀ| <= 2^-8·|x·wᵀ| + K·2^-24·(|x|·|w|ᵀ), against the exact (fp64) product: one bf16 ulp
+    (twice the half ulp of a correct rounding, room for the sum's own error crossing a rounding boundary)
+    plus the worst-case error of an fp32 sum of K terms in any order."""
+    exact = x.double() @ w.double().T
+    bound = exact.abs() * 2**-8 + x.size(-1) * 2**-24 * (x.double().abs() @ w.double().abs().T)
+    return bool(((got.double() - exact).abs() <= bound).all())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M,N,K", [(5, 80, 96), (3, 64, 256)])  # a partial tile of rows and of K; a K split
+@pytest.mark.parametrize("hw", [True, False])  # the e4m3 decode: hardware cast, or integer arithmetic (sm_80)
+def test_fp8_gemm_matches_the_dequantise_then_bf16_path(M, N, K, hw):
+    g = torch.Generator().manual_seed(M * N + K)
+    codes, scale = quantize_fp8_tiles(torch.randn(N, K, generator=g) * 0.05)
+    xq = act_quant_fp8(torch.randn(M, K, generator=g).bfloat16(), 32)  # as FP8Linear quantises it
+    want = fp8_gemm.fp8_gemm_reference(xq, codes, scale)  # the torch path: dequantised to bf16, F.linear
+    for split in (None, 2):
+        got = fp8_gemm.fp8_gemm(xq, codes, scale, split=split, hw=hw)
+        assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+        assert within_fp32_sum_and_bf16_rounding(got, xq, dequantize_fp8_tiles(codes, scale))
+        # against the torch path: the two roundings of the same exact sum may differ by one bf16 ulp
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+
+
+def fp4_experts(E: int, D: int, inter: int, seed: int):
+    """Random experts in the released storage, stacked as model/moe.py fp4_stacked gives them."""
+    g = torch.Generator().manual_seed(seed)
+    q13 = [quantize_fp4_e8m0(torch.randn(2 * inter, D, generator=g) * 0.1) for _ in range(E)]
+    q2 = [quantize_fp4_e8m0(torch.randn(D, inter, generator=g) * 0.1) for _ in range(E)]
+    return tuple(torch.stack([q[i] for q in qs]) for qs in (q13, q2) for i in (0, 1))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("N,k", [(1, 2), (9, 3)])  # decode-like (one row) and several rows per expert
+def test_fp4_moe_matches_the_official_loop(N, k):
+    """kernels/fp4_moe.py against its torch path (the per-expert loop, each FP4 weight dequantised to bf16).
+    Tolerance: the GEMM outputs g, u and w2's are the same exact sums in another fp32 order, each rounded
+    to bf16, so one may land an ulp away (2^-8); through SwiGLU and the hidden's FP8 act_quant an ulp can
+    move one e4m3 code one step (2^-4 relative of that term): 2^-5 of the output's largest value covers a few
+    such flips among an output's terms. At these sizes the sums agree and so do the bits (checked: most)."""
+    E, D, inter = 8, 64, 96  # inter 96: a partial block of the packed K (48 bytes of 64)
+    w13, s13, w2, s2 = fp4_experts(E, D, inter, seed=N)
+    g = torch.Generator().manual_seed(100 + N)
+    x = (torch.randn(N, D, generator=g) * 2).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g)
+    shared = torch.randn(N, D, generator=g).bfloat16()
+    want = fp4_moe.moe_reference(x, weights, ids, w13, s13, w2, s2, 10.0, shared)
+    got = fp4_moe.moe(x, weights, ids, w13, s13, w2, s2, 10.0, shared, hw=N > 1)  # both decodes, one each
+    assert got.dtype == torch.bfloat16 and got.shape == (N, D)
+    torch.testing.assert_close(got, want, rtol=0, atol=2**-5 * want.abs().max().item())
+    assert (got == want).float().mean() > 0.9
+
+
+def test_the_plan_tiles_every_pair_once_by_expert():
+    """plan (torch ops only): pairs sorted by expert, tiles of one expert each covering its pairs once,
+    the bound's spare tiles dead; each row's slots in ascending expert id."""
+    if fp4_moe.triton is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(0)
+    E, k, BM = 16, 4, 16
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(40)])
+    ids[:30, 0] = 3  # one expert with 30 rows: two tiles
+    pairs, tiles, slots = fp4_moe.plan(ids, E, BM)
+    flat = ids.reshape(-1)
+    assert tiles.size(0) == -(-ids.numel() // BM) + E
+    covered = torch.zeros(ids.numel(), dtype=torch.int64)
+    for e, row0, end in tiles.tolist():
+        if e < 0:
+            continue
+        assert 0 < end - row0 <= BM and (flat[pairs[row0:end]] == e).all()
+        covered[row0:end] += 1
+    assert (covered == 1).all()
+    position = torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel()))
+    assert torch.equal(flat[pairs[slots]], ids.sort(dim=-1).values)
+    assert torch.equal(position[pairs], torch.arange(pairs.numel()))
+
+
+def test_stacking_fp4_experts_keeps_the_parameters_as_views():
+    """model/moe.py fp4_stacked: the experts' parameters become views into the stacked bytes (no second
+    copy), with their names, shapes, dtypes and values; an in-place change is seen through the stack."""
+    from model.config import preset
+    from model.released import FP4Linear, Storage, storage_model
+
+    args = preset("micro")
+    model = storage_model(args, Storage()).to_empty(device="cpu")
+    moe = model.layers[0].ffn
+    assert moe.grouped and moe.fp4_experts()  # the grouped path now takes FP4 experts
+    g = torch.Generator().manual_seed(0)
+    before = {}
+    for n, p in moe.experts.named_parameters():
+        p.data = torch.randint(0, 120, p.shape, generator=g, dtype=torch.uint8).view(p.dtype)
+        before[n] = (p.shape, p.dtype, p.view(torch.uint8).clone())
+    w13, s13, w2, s2 = moe.fp4_stacked()
+    inter = args.moe_inter_dim
+    assert w13.shape == (args.n_routed_experts, 2 * inter, args.dim // 2) and s2.shape == (8, args.dim, inter // 32)
+    for n, p in moe.experts.named_parameters():
+        shape, dtype, values = before[n]
+        assert p.shape == shape and p.dtype == dtype and torch.equal(p.view(torch.uint8), values)
+    e3 = moe.experts[3]
+    assert isinstance(e3.w3, FP4Linear)
+    assert e3.w3.weight.untyped_storage().data_ptr() == w13.untyped_storage().data_ptr()
+    with torch.no_grad():
+        e3.w3.scale.view(torch.uint8).add_(1)
+    assert torch.equal(s13[3, inter:], e3.w3.scale.view(torch.uint8))
+    assert moe.fp4_stacked()[0] is w13  # cached while no parameter is replaced
