@@ -163,8 +163,12 @@ def test_32_clients_a_quarter_disconnecting_then_sigterm_drains_and_the_trace_is
     assert all(e.arrival <= e.t for e in evs if e.kind == "request_added")
     first_decode = min(e.t for e in evs if e.kind == "schedule" and e.batch_kind == 1)
     assert sum(e.t > first_decode for e in evs if e.kind == "request_added") > 8, "requests came while others decoded"
-    lines = served.prompts.read_text().splitlines()
-    assert len(lines) == len(added) >= 32 and all("arrival" in json.loads(line) for line in lines)
+    from tracing.workload import read_prompts   # what `record --prompts` replays: every request, in arrival order
+    replay = read_prompts(served.prompts)
+    recorded = sorted((e.arrival, e.prompt_token_ids, e.max_tokens, e.seed) for e in evs if e.kind == "request_added")
+    assert [(p.prompt, p.max_tokens) for p in replay] == [r[1:3] for r in recorded] and len(replay) >= 32
+    assert all(p.seed in (None, r[3]) for p, r in zip(replay, recorded))  # None: derived from the engine's seed
+    assert [p.arrival for p in replay] == sorted(p.arrival for p in replay)
     code, out, err = cli("verify", str(served.trace), capsys=capsys)
     assert code == 0 and "no findings" in out, out + err
     code, out, err = cli("check", str(served.trace), capsys=capsys)
