@@ -81,11 +81,6 @@ class LLMEngine:
                 "platform": platform_of(device),  # everything else that decides the bits (engine/platform.py)
                 "rank": self.shard.rank, "world_size": self.shard.world_size, "run_id": run_id(self.shard)}
 
-    @property
-    def max_seq_len(self) -> int:
-        """The former name of max_model_len (the model's max_seq_len as built), for callers that read it."""
-        return self.max_model_len
-
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         params = self.check_request(prompt_token_ids, params)
         seq_id, self.next_id = self.next_id, self.next_id + self.shard.world_size
@@ -165,3 +160,8 @@ class LLMEngine:
             self.in_flight = None
         self.runner.shutdown()
         self.tracer.close()
+
+    @property
+    def max_seq_len(self) -> int:
+        """The former name of max_model_len (the model's max_seq_len as built), for callers that read it."""
+        return self.max_model_len
