@@ -52,6 +52,7 @@ ON_PATH = {
 OFF_PATH = {
     "engine/launch.py": "starts N ranks for EP x DP; a decode step never runs it",
     "engine/platform.py": "what decides the bits, written in a trace header; no step reads it",
+    "engine/kv_budget.py": "sizes the default KV pool from a memory budget, at start-up; no step reads it",
     "model/checkpoint.py": "random init, safetensors save and load: start-up, not a step",
     "model/released.py": "the released checkpoint's names and formats: start-up, not a step",
     "model/load.py": "load_model: a preset or a folder to a Transformer, at start-up",

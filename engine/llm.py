@@ -15,11 +15,11 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from engine.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, memory_budget, size_pool
 from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerConfig
 from engine.sequence import SamplingParams
 from engine.tokenizer import load_tokenizer
-from model.config import BLOCK_SIZE, cdiv
 from model.load import load_model
 from model.parallel import Shard, gather_objects, setup
 
@@ -33,21 +33,52 @@ class RequestOutput:
     finish_reason: str
 
 
+def _whole(name: str, value, low: int = 1) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise ValueError(f"{name} must be a whole number of at least {low}, not {value!r}.")
+
+
 class LLM:
+    """`max_model_len` (default: the checkpoint's max_seq_len, and may exceed it) is the longest request,
+    prompt plus max_tokens; the model is built with max_seq_len = max_model_len (RoPE tables; no numeric
+    effect, spec §8). `num_kv_blocks` defaults from a memory budget (engine/kv_budget.py): `kv_cache_memory`
+    bytes, else on CUDA `gpu_memory_utilization` of the memory free after the weights load, on CPU
+    min(4 GiB, half the available RAM); never more than max_num_seqs requests of max_model_len need.
+    `self.kv_pool` says how the pool was sized (None for an explicit num_kv_blocks)."""
+
     def __init__(self, model: str = "tiny-68m", device: str = "cpu", enable_zos: bool = True,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, num_kv_blocks: int | None = None,
                  num_state_slots: int | None = None, tracer=None, seed: int = 0, cpu_threads: int | None = 1,
-                 shard: Shard | None = None, batch_invariant: bool = False):
+                 shard: Shard | None = None, batch_invariant: bool = False, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, kv_cache_memory: int | None = None):
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda needs a CUDA GPU and none is visible; use the cpu device.")
         if batch_invariant and device == "cpu" and cpu_threads != 1:  # model/invariant.py: one intra-op thread
             raise ValueError("batch_invariant=True on device='cpu' needs cpu_threads=1: the mode's CPU bits "
                              "are proven with one intra-op thread (model/invariant.py).")
+        for name, value in (("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks),
+                            ("num_state_slots", num_state_slots), ("kv_cache_memory", kv_cache_memory),
+                            ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            _whole(name, value)
+        if num_kv_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("num_kv_blocks fixes the KV pool, so kv_cache_memory has no effect; drop one of the two.")
+        if max_model_len is not None and max_model_len > MAX_MODEL_LEN:
+            raise ValueError(f"max_model_len must be at most {MAX_MODEL_LEN:,} positions, not {max_model_len:,}.")
+        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+                or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction above 0 and at most 1, not "
+                             f"{gpu_memory_utilization!r}.")
         self.shard = shard or setup(device)  # from a torchrun-style environment; one process without one
-        weights, self.digest = load_model(model, device, self.shard)
-        blocks_per_seq = cdiv(weights.args.max_seq_len, BLOCK_SIZE)
-        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
-                                 num_kv_blocks or max_num_seqs * blocks_per_seq, num_state_slots or max_num_seqs)
+        weights, self.digest = load_model(model, device, self.shard, max_seq_len=max_model_len)
+        self.max_model_len = weights.args.max_seq_len
+        num_state_slots = num_state_slots or max_num_seqs
+        self.kv_pool = None
+        if num_kv_blocks is None:
+            budget, source = memory_budget(weights.head.weight.device, gpu_memory_utilization, kv_cache_memory)
+            self.kv_pool = size_pool(weights.args, weights.embed.weight.dtype, budget, source, num_state_slots,
+                                     max_num_seqs, self.max_model_len)
+            num_kv_blocks = self.kv_pool.num_kv_blocks
+        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, num_kv_blocks, num_state_slots)
         self.tokenizer = load_tokenizer(model)
         config.eos_token_id = self.tokenizer.eos_token_id
         # On CPU one intra-op thread decodes faster than two (benchmarks/RESULTS.md); torch's setting is

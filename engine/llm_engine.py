@@ -49,7 +49,8 @@ class LLMEngine:
         self.tracer = tracer or NullTracer()
         self.config, self.enable_zos, self.seed = config, enable_zos, seed
         self.batch_invariant = batch_invariant  # model/invariant.py (issue #11)
-        self.max_seq_len, self.vocab_size = weights.args.max_seq_len, weights.args.vocab_size
+        # the longest request: the engine's max_model_len, the positions the model was built to cover
+        self.max_model_len, self.vocab_size = weights.args.max_seq_len, weights.args.vocab_size
         self.scheduler = Scheduler(config, self.tracer)
         self.runner = ModelRunner(weights, config.num_kv_blocks, config.num_state_slots, cpu_threads, batch_invariant)
         self.shard = weights.shard  # this rank's place under EP x DP; one process by default
@@ -104,9 +105,9 @@ class LLMEngine:
                     or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is not in the model's vocabulary (ids 0 to {vocab - 1}).")
-        if total > self.max_seq_len:
+        if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)}) plus max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's max_seq_len {self.max_seq_len}.")
+                             f"max_model_len {self.max_model_len}; raise max_model_len.")
         if cdiv(total, BLOCK_SIZE) > self.config.num_kv_blocks:
             raise ValueError(f"a request of {total} tokens needs {cdiv(total, BLOCK_SIZE)} KV blocks, more than the "
                              f"{self.config.num_kv_blocks} in the pool; raise num_kv_blocks.")
@@ -165,3 +166,8 @@ class LLMEngine:
             self.in_flight = None
         self.runner.shutdown()
         self.tracer.close()
+
+    @property
+    def max_seq_len(self) -> int:
+        """The former name of max_model_len (the model's max_seq_len as built), for callers that read it."""
+        return self.max_model_len

@@ -17,12 +17,21 @@ from model.parallel import Shard, shard_state_dict
 from model.transformer import Transformer
 
 
-def load_model(model: str = "tiny-68m", device: str = "cpu", shard=None):
+def load_model(model: str = "tiny-68m", device: str = "cpu", shard=None, max_seq_len: int | None = None):
     """A `Transformer` with its weights, from a preset name (the embedded default checkpoint, created on
     first use) or a checkpoint folder. Returns (model, digest). Raises CheckpointError in one sentence.
     A folder with model.safetensors.index.json is read in the released format (model/released.py).
     `shard` (model/parallel.py, default one process) keeps only this rank's experts and Engram rows; the
-    whole checkpoint is read and its digest checked first."""
+    whole checkpoint is read and its digest checked first. `max_seq_len` (the engine's max_model_len)
+    replaces the checkpoint's: the positions the RoPE tables cover, with no numeric effect (spec §8), so the
+    digest, of the weights alone, is the same; a trace's header `model` carries the value used."""
+    weights, digest = _load_model(model, device, shard)
+    if max_seq_len is not None:
+        weights.set_max_seq_len(max_seq_len)
+    return weights, digest
+
+
+def _load_model(model: str, device: str, shard):
     if model in RELEASED_PRESETS and not Path(model).is_dir():  # made on `device` from seed 0 (model/slice.py)
         from model.slice import build_slice
         return build_slice(preset(model), device=device, shard=shard)

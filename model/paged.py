@@ -59,6 +59,53 @@ class _Step:
     rows: torch.Tensor       # [B, 1] row index, for gathers
 
 
+@dataclass(slots=True)
+class Caches:
+    """The paged state of the module docstring, each pool with one trash unit at its end."""
+    ring: torch.Tensor     # [n_layers, slots + 1, W, D]: every layer's window ring
+    entries: dict          # kv source -> (compressed KV [blocks + 1, 128/r, D], index keys [blocks + 1, 128/r, Di])
+    tails: dict            # ratio-2 kv source -> (a, g) fp32 [slots + 1, r, D], g's empty members -inf
+    history: torch.Tensor  # [slots + 1, max_ngram - 1] int64: the Engram history
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ring, self.history, *(t for pair in (*self.entries.values(), *self.tails.values()) for t in pair)]
+
+
+def allocate_caches(a, num_blocks: int, num_slots: int, dtype: torch.dtype, device) -> Caches:
+    """The paged state for `num_blocks` KV blocks and `num_slots` state slots, in `dtype` (bf16, or fp32 in
+    the debugging mode) but for the fp32 tails and the int64 history. On the meta device it costs nothing:
+    `cache_bytes` sizes the pool that way."""
+    zeros = dict(dtype=dtype, device=device)
+    ring = torch.zeros(a.n_layers, num_slots + 1, a.window_size, a.head_dim, **zeros)
+    entries, tails = {}, {}
+    for layer in a.kv_source_layers:
+        r = a.compress_ratios[layer]
+        entries[layer] = (torch.zeros(num_blocks + 1, BLOCK_SIZE // r, a.head_dim, **zeros),
+                          torch.zeros(num_blocks + 1, BLOCK_SIZE // r, a.index_head_dim, **zeros))
+        if r > 1:
+            shape = (num_slots + 1, r, a.head_dim)
+            tails[layer] = (torch.zeros(shape, dtype=torch.float32, device=device),
+                            torch.full(shape, -torch.inf, dtype=torch.float32, device=device))
+    history = torch.zeros(num_slots + 1, a.engram_max_ngram_size - 1, dtype=torch.long, device=device)
+    return Caches(ring, entries, tails, history)
+
+
+def cache_bytes(a, num_blocks: int, num_slots: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of the paged state of `num_blocks` blocks and `num_slots` slots, trash units included: the
+    tensors `allocate_caches` makes, sized on the meta device. Linear in both counts."""
+    return sum(t.numel() * t.element_size() for t in allocate_caches(a, num_blocks, num_slots, dtype, "meta").tensors())
+
+
+def bytes_per_block(a, dtype: torch.dtype = torch.bfloat16) -> int:
+    """One KV block's bytes: per kv source layer, 128/r compressed entries and as many index keys."""
+    return cache_bytes(a, 1, 0, dtype) - cache_bytes(a, 0, 0, dtype)
+
+
+def bytes_per_slot(a, dtype: torch.dtype = torch.bfloat16) -> int:
+    """One state slot's bytes: every layer's window ring, the ratio-2 compressor tails, the Engram history."""
+    return cache_bytes(a, 0, 1, dtype) - cache_bytes(a, 0, 0, dtype)
+
+
 class PagedModel:
     """The batched forward over paged state; the parameters are `weights` (shared with the reference)."""
 
@@ -68,18 +115,8 @@ class PagedModel:
         a, dev = self.args, weights.head.weight.device
         self.num_blocks, self.num_slots = num_blocks, num_slots
         self.trash_block, self.trash_slot = num_blocks, num_slots  # write-only sinks for masked writes
-        zeros = dict(dtype=weights.embed.weight.dtype, device=dev)  # bf16, or fp32 in the debugging mode
-        self.ring = torch.zeros(a.n_layers, num_slots + 1, a.window_size, a.head_dim, **zeros)
-        self.entries, self.tails = {}, {}
-        for layer in a.kv_source_layers:
-            r = a.compress_ratios[layer]
-            self.entries[layer] = (torch.zeros(num_blocks + 1, BLOCK_SIZE // r, a.head_dim, **zeros),
-                                   torch.zeros(num_blocks + 1, BLOCK_SIZE // r, a.index_head_dim, **zeros))
-            if r > 1:
-                shape = (num_slots + 1, r, a.head_dim)
-                self.tails[layer] = (torch.zeros(shape, dtype=torch.float32, device=dev),
-                                     torch.full(shape, -torch.inf, dtype=torch.float32, device=dev))
-        self.history = torch.zeros(num_slots + 1, a.engram_max_ngram_size - 1, dtype=torch.long, device=dev)
+        caches = allocate_caches(a, num_blocks, num_slots, weights.embed.weight.dtype, dev)
+        self.ring, self.entries, self.tails, self.history = caches.ring, caches.entries, caches.tails, caches.history
         weights.warm(dev)
 
     @torch.inference_mode()

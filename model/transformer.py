@@ -12,7 +12,7 @@ from torch import nn
 
 from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.attention import Attention, RMSNorm
-from model.config import ModelArgs
+from model.config import ConfigError, ModelArgs
 from model.engram import Engram, EngramLayout, compressed_token_map
 from model.hc import hc_mixes, hc_post, hc_pre
 from model.moe import MoE
@@ -108,6 +108,17 @@ class Transformer(nn.Module):
         for p in self.parameters():
             if p.dtype == torch.bfloat16:
                 p.data = p.data.float()
+        return self
+
+    def set_max_seq_len(self, n: int) -> "Transformer":
+        """Cover positions 0..n-1 (the engine's max_model_len): a runtime field that sizes the RoPE tables and
+        has no numeric effect, V4.1's YaRN not depending on it (spec §1.1, §8); the tables are rebuilt at the
+        new length on first use."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"max_model_len must be a whole number of at least 1, not {n!r}.")
+        if n != self.args.max_seq_len:
+            self.args.max_seq_len = n
+            self._rope.clear()
         return self
 
     def rope(self, ratio: int, device) -> torch.Tensor:

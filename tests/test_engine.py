@@ -142,7 +142,7 @@ def test_finish_reasons_and_text(ckpt):
     assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 8
     assert outs[1].finish_reason == "stop" and outs[1].token_ids == first.token_ids[:first.token_ids.index(stop_at) + 1]
     assert outs[0].prompt_token_ids == llm.tokenizer.encode("hello") and isinstance(outs[0].text, str)
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ValueError, match="exceeds max_model_len 2048"):
         llm.generate([[5] * 2040], SamplingParams(max_tokens=16), progress=False)
 
 

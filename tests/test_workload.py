@@ -14,9 +14,9 @@ from tracing.workload import FIRST_TOKEN_ID, Workload, WorkloadError, WorkloadSp
 EXAMPLE = Path(__file__).resolve().parent.parent / "traces" / "examples" / "micro-preempt-cancel.mdt"
 
 
-def llm_like(vocab_size=1024, max_seq_len=2048, num_kv_blocks=16):
+def llm_like(vocab_size=1024, max_model_len=2048, num_kv_blocks=16):
     """What `draw` reads of an LLM: the engine's public limits and its check_request, no model."""
-    engine = SimpleNamespace(vocab_size=vocab_size, max_seq_len=max_seq_len,
+    engine = SimpleNamespace(vocab_size=vocab_size, max_model_len=max_model_len,
                              config=SimpleNamespace(num_kv_blocks=num_kv_blocks))
     engine.check_request = partial(LLMEngine.check_request, engine)
     return SimpleNamespace(engine=engine, tokenizer=None)
@@ -55,15 +55,15 @@ def test_a_prompts_file_line_over_the_context_is_refused_in_one_sentence(tmp_pat
     path.write_text('{"prompt": [5, 6], "max_tokens": 4}\n{"prompt": [7, 8, 9, 10], "max_tokens": 30}\n')
     spec = WorkloadSpec(prompts=read_prompts(path))
     with pytest.raises(WorkloadError) as e:
-        draw(spec, llm_like(max_seq_len=32))
-    assert str(e.value) == "prompt (4) plus max_tokens (30) exceeds the model's max_seq_len 32."
-    assert draw(spec, llm_like(max_seq_len=34)).requests[1].params.max_tokens == 30
+        draw(spec, llm_like(max_model_len=32))
+    assert str(e.value) == "prompt (4) plus max_tokens (30) exceeds max_model_len 32; raise max_model_len."
+    assert draw(spec, llm_like(max_model_len=34)).requests[1].params.max_tokens == 30
 
 
-def test_a_random_prompt_of_max_seq_len_is_refused_before_its_ids_are_drawn():
-    with pytest.raises(WorkloadError, match=r"^--input-len 32:32 drew a prompt of 32 tokens; the model's "
-                                            r"max_seq_len is 32\.$"):
-        draw(WorkloadSpec(num_prompts=1, input_len=(32, 32)), llm_like(max_seq_len=32))
+def test_a_random_prompt_of_max_model_len_is_refused_before_its_ids_are_drawn():
+    with pytest.raises(WorkloadError, match=r"^--input-len 32:32 drew a prompt of 32 tokens; max_model_len "
+                                            r"is 32 \(--max-model-len\)\.$"):
+        draw(WorkloadSpec(num_prompts=1, input_len=(32, 32)), llm_like(max_model_len=32))
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,9 @@ class ExecuteResult:
 
 
 def load_recorded_model(trace: TraceFile, model: str | None, device: str):
-    """The recorded weights on `device` (a digest mismatch is a TraceError), in the recorded dtype and, on
-    CPU, with the recorded intra-op thread count (the CPU kernels' bits depend on it)."""
+    """The recorded weights on `device` (a digest mismatch is a TraceError), in the recorded dtype, covering
+    the recorded max_seq_len (the engine's max_model_len, header `model`) and, on CPU, with the recorded
+    intra-op thread count (the CPU kernels' bits depend on it)."""
     import torch
 
     from model.checkpoint import CheckpointError
@@ -64,8 +65,15 @@ def load_recorded_model(trace: TraceFile, model: str | None, device: str):
 
     header = trace.header
     source = model or header.get("model_source") or "tiny-68m"
+    from engine.kv_budget import MAX_MODEL_LEN
+
+    max_seq_len = (header.get("model") or {}).get("max_seq_len")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                    or not 1 <= max_seq_len <= MAX_MODEL_LEN):
+        raise TraceError(f"the trace's header has max_seq_len {max_seq_len!r}, not a number of positions between 1 "
+                         f"and {MAX_MODEL_LEN:,}.")
     try:
-        weights, digest = load_model(source, device)
+        weights, digest = load_model(source, device, max_seq_len=max_seq_len)
     except CheckpointError as e:
         raise TraceError(f"cannot rebuild the recorded model from {source!r} ({e}); pass --model.") from None
     if header.get("checkpoint_digest") and digest != header["checkpoint_digest"]:

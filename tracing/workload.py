@@ -19,7 +19,7 @@ harness added the request), so its queue times are the engine's own.
 
 It lives in tracing/, not engine/, because the harness records with tracing's Recorder (engine/ never
 imports tracing/); the drawing beside it needs only engine/'s SamplingParams and the engine's public
-`vocab_size` and `max_seq_len`, and no engine code draws workloads, so it stays off the engine's reading path.
+`vocab_size` and `max_model_len`, and no engine code draws workloads, so it stays off the engine's reading path.
 """
 from __future__ import annotations
 
@@ -163,14 +163,14 @@ def _prompt_line(obj: dict) -> PromptLine | None:
 
 
 def random_requests(rng: random.Random, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                    vocab_size: int, temperature: float, max_seq_len: int | None = None) -> Iterator[Request]:
+                    vocab_size: int, temperature: float, max_model_len: int | None = None) -> Iterator[Request]:
     """Random prompts, drawn one at a time: per request its length, its ids, then its max_tokens (this order is
-    what a seed reproduces). A length of max_seq_len or more is refused before its ids are drawn."""
+    what a seed reproduces). A length of max_model_len or more is refused before its ids are drawn."""
     for _ in range(num_prompts):
         n = rng.randint(*input_len)
-        if max_seq_len is not None and n >= max_seq_len:
-            raise WorkloadError(f"--input-len {input_len[0]}:{input_len[1]} drew a prompt of {n:,} tokens; the "
-                                f"model's max_seq_len is {max_seq_len:,}.")
+        if max_model_len is not None and n >= max_model_len:
+            raise WorkloadError(f"--input-len {input_len[0]}:{input_len[1]} drew a prompt of {n:,} tokens; "
+                                f"max_model_len is {max_model_len:,} (--max-model-len).")
         ids = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
         yield Request(ids, SamplingParams(temperature=temperature, max_tokens=rng.randint(*output_len),
                                           ignore_eos=True))
@@ -185,7 +185,7 @@ def draw(spec: WorkloadSpec, llm, progress: Progress | None = None) -> Workload:
                          _line_params(p, spec, rng)) for p in spec.prompts)
     else:
         drawn = random_requests(rng, spec.num_prompts, spec.input_len, spec.output_len, engine.vocab_size,
-                                spec.temperature, engine.max_seq_len)
+                                spec.temperature, engine.max_model_len)
     requests = []
     for request in drawn:
         try:

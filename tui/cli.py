@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN
 from tui.format import plural
 
 MAX_PROMPTS = 100_000  # record draws every request before the run starts
@@ -171,6 +172,96 @@ def _device_option(parser, help: str = "where the model runs") -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help=help)
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+          "t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def _max_model_len(text: str) -> int:
+    return _whole(text, 1, MAX_MODEL_LEN + 1, f"a number of positions between 1 and {MAX_MODEL_LEN:,}")
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = -1.0
+    if not 0.0 < f <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction above 0 and at most 1, not {text!r}")
+    return f
+
+
+def _bytes(text: str) -> int:
+    """BYTES: a number and an optional unit, binary (K, KiB, M, MiB, G, GiB, T, TiB) or decimal (KB, MB, GB, TB)."""
+    number = text.strip().rstrip("KMGTBikmgtb")
+    unit = text.strip()[len(number):].lower()
+    try:
+        n = int(float(number) * _UNITS[unit]) if number and unit in _UNITS else 0
+    except (ValueError, OverflowError):
+        n = 0
+    if not 1 <= n < 1 << 63:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 4GiB, 512MiB or 1000000000, not {text!r}")
+    return n
+
+
+def add_engine_options(parser, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+                       num_kv_blocks: int | None = None) -> None:
+    """The engine's options (engine.LLM's keywords) on `parser`, for record, generate and serve; `engine_kwargs`
+    turns the parsed options into LLM keywords. The defaults are LLM's but where given: `num_kv_blocks` a fixed
+    pool (record's small one), else the pool is sized from the memory budget (engine/kv_budget.py)."""
+    parser.set_defaults(fixed_num_kv_blocks=num_kv_blocks)
+    parser.add_argument("--max-model-len", type=_max_model_len, default=None, metavar="N",
+                        help="the longest request, prompt plus max_tokens; it sizes the RoPE tables and the KV "
+                             "pool's default and may exceed the checkpoint's (default: the checkpoint's "
+                             "max_seq_len)")
+    parser.add_argument("--zos", action=argparse.BooleanOptionalAction, default=True,
+                        help="zero-overhead scheduling: schedule step N while the device runs N-1")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="logits bitwise independent of batching and chunking (model/invariant.py)")
+    parser.add_argument("--max-num-batched-tokens", type=_positive, default=max_num_batched_tokens, metavar="N",
+                        help="tokens a step may schedule, over all its rows")
+    parser.add_argument("--max-num-seqs", type=_positive, default=max_num_seqs, metavar="N",
+                        help="requests running at once")
+    budget = ("from the memory budget, at most --max-num-seqs requests of --max-model-len")
+    parser.add_argument("--num-kv-blocks", type=_positive, default=None, metavar="N",
+                        help="KV pool in 128-token blocks (default: " + (
+                            f"{num_kv_blocks}, small enough that some preemption happens; {budget} when "
+                            f"--kv-cache-memory or --gpu-memory-utilization is given)" if num_kv_blocks
+                            else f"{budget})"))
+    parser.add_argument("--num-state-slots", type=_positive, default=None, metavar="N",
+                        help="state slots (windows, compressor tails, Engram history), one per running request "
+                             "(default: --max-num-seqs)")
+    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="F",
+                        help=f"on cuda, the share of the GPU memory free once the weights are loaded that the KV "
+                             f"pool and state slots may take (default: {DEFAULT_GPU_MEMORY_UTILIZATION})")
+    parser.add_argument("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES",
+                        help="a fixed budget for the KV pool and state slots, e.g. 4GiB; without it the budget "
+                             "is min(4 GiB, half the available RAM) on cpu, --gpu-memory-utilization on cuda")
+
+
+def engine_kwargs(a) -> dict:
+    """engine.LLM's keywords from options added by `add_engine_options` (the model, device, seed and tracer
+    are the command's); a combination in which one option would have no effect is one sentence (exit 2)."""
+    device = getattr(a, "device", "cpu")
+    if a.gpu_memory_utilization is not None and device != "cuda":
+        raise SystemExit("mdi-trace: --gpu-memory-utilization sizes the KV pool on cuda; on cpu give "
+                         "--kv-cache-memory BYTES.")
+    budget = [f for f, on in (("--kv-cache-memory", a.kv_cache_memory is not None),
+                              ("--gpu-memory-utilization", a.gpu_memory_utilization is not None)) if on]
+    if a.num_kv_blocks is not None and budget:
+        raise SystemExit(f"mdi-trace: --num-kv-blocks fixes the KV pool, so {budget[0]} has no effect; drop one "
+                         f"of the two.")
+    if len(budget) == 2:
+        raise SystemExit("mdi-trace: --kv-cache-memory fixes the KV budget, so --gpu-memory-utilization has no "
+                         "effect; drop one of the two.")
+    blocks = a.num_kv_blocks if a.num_kv_blocks is not None or budget else getattr(a, "fixed_num_kv_blocks", None)
+    kw = dict(max_model_len=a.max_model_len, enable_zos=a.zos, batch_invariant=a.batch_invariant,
+              max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs, num_kv_blocks=blocks,
+              num_state_slots=a.num_state_slots, kv_cache_memory=a.kv_cache_memory)
+    if a.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = a.gpu_memory_utilization
+    return kw
+
+
 def _record_parser(sub) -> None:
     rec = sub.add_parser("record", help="run the engine on random prompts (or a jsonl file) and record a trace")
     rec.add_argument("-o", "--output", metavar="TRACE", help="trace file (default: traces/run-YYYYmmdd-HHMMSS.mdt)")
@@ -197,18 +288,7 @@ def _record_parser(sub) -> None:
                      help="sampling temperature (0: greedy)")
     rec.add_argument("--seed", type=_seed, default=0, metavar="N",
                      help="seed of the prompts, the cancellations and the sampler")
-    rec.add_argument("--zos", action=argparse.BooleanOptionalAction, default=True,
-                     help="zero-overhead scheduling: schedule step N while the device runs N-1")
-    rec.add_argument("--batch-invariant", action="store_true",
-                     help="logits bitwise independent of batching and chunking (model/invariant.py)")
-    rec.add_argument("--max-num-batched-tokens", type=_positive, default=512, metavar="N",
-                     help="tokens a step may schedule, over all its rows")
-    rec.add_argument("--max-num-seqs", type=_positive, default=8, metavar="N", help="requests running at once")
-    rec.add_argument("--num-kv-blocks", type=_positive, default=24, metavar="N",
-                     help="KV pool in 128-token blocks, small enough by default that some preemption happens")
-    rec.add_argument("--num-state-slots", type=_positive, default=None, metavar="N",
-                     help="state slots (windows, compressor tails, Engram history), one per running request "
-                          "(default: --max-num-seqs)")
+    add_engine_options(rec, max_num_batched_tokens=512, max_num_seqs=8, num_kv_blocks=24)
     rec.add_argument("--cancel-rate", type=_probability, default=0.1, metavar="P",
                      help="cancel each request with probability P, after a random number of its output tokens")
     rec.add_argument("--nproc", type=_positive, default=1, metavar="N",
@@ -260,6 +340,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
                      help="sampling temperature (0: greedy)")
     gen.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the random prompts")
+    add_engine_options(gen)
     _record_parser(sub)
     __import__("tui.serve").serve.add_parser(sub)
     info = sub.add_parser("info", help="a trace's header and summary, and whether it was cut short")
@@ -360,7 +441,7 @@ def _generate(a) -> int:
     _check_model(a.model)
     _check_device(a.device)
     try:
-        llm = LLM(a.model, device=a.device)
+        llm = LLM(a.model, device=a.device, **engine_kwargs(a))
     except ValueError as e:
         raise SystemExit(f"mdi-trace: {e}") from None
     requests = list(random_requests(random.Random(a.seed), a.num_prompts, (a.prompt_len, a.prompt_len),
@@ -381,7 +462,8 @@ def _generate(a) -> int:
     console.print(table)
     total = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
     console.print(f"{plural(len(outs), 'request')}, {total:,} tokens in {elapsed:.2f} s "
-                  f"({total / elapsed:,.0f} tokens/s), ZOS on, temperature {a.temperature}")
+                  f"({total / elapsed:,.0f} tokens/s), ZOS {'on' if a.zos else 'off'}, temperature {a.temperature}, "
+                  f"max_model_len {llm.max_model_len:,}, {llm.engine.config.num_kv_blocks:,} KV blocks")
     return 0
 
 
@@ -527,10 +609,7 @@ def _record_rank(a, argv: list[str], spec, out: Path, shard, stop: _Stop, consol
         _refuse_existing(path, 1, a.force)
     try:
         llm = recorded_llm(path, ["mdi-trace", *argv], exclusive=not a.force, model=a.model, device=a.device,
-                           enable_zos=a.zos, max_num_batched_tokens=a.max_num_batched_tokens,
-                           max_num_seqs=a.max_num_seqs, num_kv_blocks=a.num_kv_blocks,
-                           num_state_slots=a.num_state_slots, seed=a.seed, shard=shard,
-                           batch_invariant=a.batch_invariant)
+                           seed=a.seed, shard=shard, **engine_kwargs(a))
     except ValueError as e:
         raise SystemExit(f"mdi-trace: {e}") from None
     skipped = getattr(llm.engine.runner.model.weights, "skipped_tensors", [])
