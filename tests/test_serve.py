@@ -104,7 +104,7 @@ def test_errors_are_the_openai_apis(served):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="max_seq_len") as e:  # a prompt over the context
+    with pytest.raises(openai.BadRequestError, match="max_model_len") as e:  # a prompt over the context
         client.completions.create(model=MODEL, prompt=[5] * 4000, max_tokens=2)
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError, match="not in the model's vocabulary"):

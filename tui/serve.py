@@ -24,7 +24,6 @@ chat template of these byte-level checkpoints is plain text: "role: content" lin
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import signal
@@ -41,7 +40,7 @@ DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for completions
 
 def add_parser(sub) -> None:
     """`serve`'s options."""
-    from tui.cli import _device_option, _model_option, _positive, _seed
+    from tui.cli import _device_option, _model_option, _seed, add_engine_options
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine, recording a trace")
     _model_option(srv)
@@ -59,16 +58,7 @@ def add_parser(sub) -> None:
                      help="on SIGINT/SIGTERM: let the requests in the engine finish, or cancel them")
     srv.add_argument("--seed", type=_seed, default=0, metavar="N",
                      help="the engine's seed: a request without its own seed samples with one derived from it")
-    srv.add_argument("--zos", action=argparse.BooleanOptionalAction, default=True,
-                     help="zero-overhead scheduling: schedule step N while the device runs N-1")
-    srv.add_argument("--max-num-batched-tokens", type=_positive, default=2048, metavar="N",
-                     help="tokens a step may schedule, over all its rows")
-    srv.add_argument("--max-num-seqs", type=_positive, default=64, metavar="N", help="requests running at once")
-    srv.add_argument("--num-kv-blocks", type=_positive, default=None, metavar="N",
-                     help="KV pool in 128-token blocks (default: room for --max-num-seqs requests of the "
-                          "model's whole context)")
-    srv.add_argument("--num-state-slots", type=_positive, default=None, metavar="N",
-                     help="state slots, one per running request (default: --max-num-seqs)")
+    add_engine_options(srv)
 
 
 def _port(text: str) -> int:
@@ -215,7 +205,7 @@ class Server:
         from starlette.responses import JSONResponse
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mini-deepinfer",
-             "max_model_len": self.llm.engine.max_seq_len}]})
+             "max_model_len": self.llm.engine.max_model_len}]})
 
     async def completions(self, request):
         return await self._complete(request, chat=False)
@@ -238,7 +228,7 @@ class Server:
             except ValueError as e:
                 if "shutting down" in str(e):
                     raise APIError(503, str(e), "server_error") from None
-                over = len(asked.prompt_token_ids) + asked.params.max_tokens > self.llm.engine.max_seq_len
+                over = len(asked.prompt_token_ids) + asked.params.max_tokens > self.llm.engine.max_model_len
                 code = "context_length_exceeded" if over else None
                 raise _bad(str(e), "prompt" if not chat else "messages", code) from None
         except APIError as e:
@@ -398,7 +388,7 @@ def serve(a, argv: list[str]) -> int:
     from engine import LLM
     from engine.async_llm import AsyncLLM
     from tracing.workload import recorded_llm
-    from tui.cli import _check_device, _check_model
+    from tui.cli import _check_device, _check_model, engine_kwargs
 
     _check_model(a.model)
     _check_device(a.device)
@@ -410,13 +400,13 @@ def serve(a, argv: list[str]) -> int:
     prompts_path = Path(a.prompts_out) if a.prompts_out else None
     if prompts_path is not None and prompts_path.exists() and not a.force:
         raise SystemExit(f"mdi-trace: {prompts_path} exists; give another --prompts-out, or --force to replace it.")
+    options = dict(model=a.model, device=a.device, seed=a.seed, **engine_kwargs(a))
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((a.host, a.port))
     except OSError as e:
         raise SystemExit(f"mdi-trace: cannot listen on {a.host}:{a.port}: {(e.strerror or str(e)).lower()}.") from None
-    options = dict(model=a.model, device=a.device, max_num_seqs=a.max_num_seqs, **engine_kwargs(a))
     try:
         llm = recorded_llm(out, ["mdi-trace", *argv], exclusive=not a.force, **options) if out else LLM(**options)
     except ValueError as e:
@@ -456,8 +446,3 @@ def serve(a, argv: list[str]) -> int:
     print(f"stopped{f'; the trace is in {out}: mdi-trace view {out}' if out else ''}.", flush=True)
     return 0
 
-
-def engine_kwargs(a: argparse.Namespace) -> dict:
-    """The LLM options that serve shares with record, from its parsed arguments."""
-    return {k: getattr(a, k) for k in ("num_kv_blocks", "num_state_slots", "max_num_batched_tokens", "seed")
-            if getattr(a, k, None) is not None} | {"enable_zos": getattr(a, "zos", True)}
