@@ -123,17 +123,17 @@ class _DecodeGraph:
 
     def __init__(self, runner: "ModelRunner", rows: int, blocks: int, context_len: int):
         dev = runner.device
-        # all-padding rows (one token at position 1 into the trash slot and trash blocks) for the warm-up
-        padding = layout.padding_row(1, blocks, runner.trash_block, runner.trash_slot)
-        self.ints = torch.tensor([padding] * rows, dtype=torch.long, device=dev)
-        self.temperatures = torch.zeros(rows, dtype=torch.float32, device=dev)
-        step = lambda: runner.device_step(self.ints, self.temperatures, 1, context_len, True)  # noqa: E731
-        with torch.cuda.stream(runner.stream):
-            step()  # warm-up: kernel compilation, library handles and caches stay out of the capture
-        self.graph = torch.cuda.CUDAGraph()
         debug = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)  # capturing synchronises once; the replays never do
+        torch.cuda.set_sync_debug_mode(0)  # building and capturing synchronise, once a graph; the replays never do
         try:
+            # all-padding rows (one token at position 1 into the trash slot and trash blocks) for the warm-up
+            padding = layout.padding_row(1, blocks, runner.trash_block, runner.trash_slot)
+            self.ints = torch.tensor([padding] * rows, dtype=torch.long, device=dev)
+            self.temperatures = torch.zeros(rows, dtype=torch.float32, device=dev)
+            step = lambda: runner.device_step(self.ints, self.temperatures, 1, context_len, True)  # noqa: E731
+            with torch.cuda.stream(runner.stream):
+                step()  # warm-up: kernel compilation, library handles and caches stay out of the capture
+            self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=runner.graph_pool, stream=runner.stream):
                 self.tokens = step()  # [rows]: the static output
             self.logits = runner.last_logits  # [rows, vocab], rewritten by every replay
