@@ -3,7 +3,7 @@ with the routed experts in `fp4_gemm`'s storage).
 
 The routed experts stay as the released files store them: e2m1 codes two per byte (the even element in the
 low nibble) [E, out, in/2] and one e8m0 scale per 32 values along K [E, out, in/32] (model/released.py
-FP4Linear, stacked by model/moe.py `fp4_stacked` as views, no copy kept). No bf16 copy of an expert exists:
+FP4Linear, stacked by `fp4_stacked` below as views, no copy kept). No bf16 copy of an expert exists:
 each program decodes its expert's [BN, BK] tile in registers.
 
 What it replaces: the grouped bf16 path cannot take FP4 experts, so released models ran the masked path
@@ -254,3 +254,48 @@ def moe_reference(x, weights, ids, w13, s13, w2, s2, limit: float, shared: torch
         hidden = (weights[rows, slot, None] * (F.silu(g) * u)).to(x.dtype)
         y[rows] += F.linear(act_quant_fp8(hidden, GROUP), dequantize_fp4_e8m0(w2[e], s2[e]).to(x.dtype))
     return (y + shared).to(x.dtype)
+
+
+# ---- model/moe.py's MoE over FP4 experts (the released storage): its grouped CUDA path ----------------------
+def fp4_experts(ffn) -> bool:
+    """Whether `ffn` (a model.moe.MoE) has routed experts in FP4 (model/released.py FP4Linear)."""
+    first = ffn.experts[ffn.local_experts[0]] if len(ffn.local_experts) else None
+    return first is not None and first.w1.weight.dtype == torch.float4_e2m1fn_x2
+
+
+@torch.no_grad()
+def fp4_stacked(ffn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routed experts' FP4 codes and e8m0 scales stacked for kernels/fp4_moe.py, as bytes:
+    w13 [E, 2·inter, d/2] (each expert's w1 rows, then its w3 rows), s13 [E, 2·inter, d/32],
+    w2 [E, d, inter/2], s2 [E, d, inter/32]. Made once, one expert at a time, and each expert's
+    parameters then become views into them (their names, shapes and dtypes unchanged), so the experts'
+    memory is not doubled and an in-place change of a weight is seen by both. Remade when a parameter
+    is replaced by another tensor (its data pointer changes)."""
+    def params():
+        return [p for e in ffn.experts for lin in (e.w1, e.w3, e.w2) for p in (lin.weight, lin.scale)]
+
+    key = tuple(p.data_ptr() for p in params())
+    if ffn._stacked is not None and ffn._stacked[0] == key:
+        return ffn._stacked[1:]
+    e0, E = ffn.experts[0], len(ffn.experts)
+    inter = e0.w1.weight.size(0)
+    like = lambda p, *shape: torch.empty(E, *shape, dtype=torch.uint8, device=p.device)
+    w13 = like(e0.w1.weight, 2 * inter, e0.w1.weight.size(1))
+    s13 = like(e0.w1.scale, 2 * inter, e0.w1.scale.size(1))
+    w2, s2 = like(e0.w2.weight, *e0.w2.weight.shape), like(e0.w2.scale, *e0.w2.scale.shape)
+    for i, e in enumerate(ffn.experts):
+        for lin, codes, scales in ((e.w1, w13[i, :inter], s13[i, :inter]), (e.w3, w13[i, inter:], s13[i, inter:]),
+                                   (e.w2, w2[i], s2[i])):
+            codes.copy_(lin.weight.view(torch.uint8))
+            scales.copy_(lin.scale.view(torch.uint8))
+            lin.weight.data = codes.view(lin.weight.dtype)  # the old storage is freed here
+            lin.scale.data = scales.view(lin.scale.dtype)
+    ffn._stacked = (tuple(p.data_ptr() for p in params()), w13, s13, w2, s2)
+    return ffn._stacked[1:]
+
+
+def moe_forward(ffn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Routed + shared output [N, d] in x's dtype, for x bf16 [N, d]: the FP4 experts through
+    kernels/fp4_moe.py (only the selected experts' weights read, decoded in registers), the shared
+    expert (FP8) through its FP8Linears, the sum in the official order rounded once."""
+    return moe(x, weights, ids, *fp4_stacked(ffn), ffn.shared_experts.limit, ffn.shared_experts(x))

@@ -106,9 +106,9 @@ class MoE(nn.Module):
             return moe_forward(self, x)
         shape, x = x.shape, x.reshape(-1, x.size(-1))
         weights, ids = self.gate(x)
-        if x.is_cuda and self.grouped and self.fp4_experts():
+        if x.is_cuda and self.grouped and fp4_moe.fp4_experts(self):
             if fp4_moe.applies(x) and not invariant.enabled():
-                return self.fp4_forward(x, weights, ids).view(shape)
+                return fp4_moe.moe_forward(self, x, weights, ids).view(shape)
         elif x.is_cuda and self.grouped:
             return self.grouped_forward(x, weights, ids).to(x.dtype).view(shape)
         y = torch.zeros_like(x, dtype=torch.float32)
@@ -122,48 +122,6 @@ class MoE(nn.Module):
                 y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
         y += self.shared_experts(x)
         return y.to(x.dtype).view(shape)
-
-    # ---- grouped CUDA path over FP4 experts (the released storage) ---------------------------------------
-    def fp4_experts(self) -> bool:
-        """Whether the routed experts are FP4 (model/released.py FP4Linear)."""
-        first = self.experts[self.local_experts[0]] if len(self.local_experts) else None
-        return first is not None and first.w1.weight.dtype == torch.float4_e2m1fn_x2
-
-    @torch.no_grad()
-    def fp4_stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The routed experts' FP4 codes and e8m0 scales stacked for kernels/fp4_moe.py, as bytes:
-        w13 [E, 2·inter, d/2] (each expert's w1 rows, then its w3 rows), s13 [E, 2·inter, d/32],
-        w2 [E, d, inter/2], s2 [E, d, inter/32]. Made once, one expert at a time, and each expert's
-        parameters then become views into them (their names, shapes and dtypes unchanged), so the experts'
-        memory is not doubled and an in-place change of a weight is seen by both. Remade when a parameter
-        is replaced by another tensor (its data pointer changes)."""
-        def params():
-            return [p for e in self.experts for lin in (e.w1, e.w3, e.w2) for p in (lin.weight, lin.scale)]
-
-        key = tuple(p.data_ptr() for p in params())
-        if self._stacked is not None and self._stacked[0] == key:
-            return self._stacked[1:]
-        e0, E = self.experts[0], len(self.experts)
-        inter = e0.w1.weight.size(0)
-        like = lambda p, *shape: torch.empty(E, *shape, dtype=torch.uint8, device=p.device)
-        w13 = like(e0.w1.weight, 2 * inter, e0.w1.weight.size(1))
-        s13 = like(e0.w1.scale, 2 * inter, e0.w1.scale.size(1))
-        w2, s2 = like(e0.w2.weight, *e0.w2.weight.shape), like(e0.w2.scale, *e0.w2.scale.shape)
-        for i, e in enumerate(self.experts):
-            for lin, codes, scales in ((e.w1, w13[i, :inter], s13[i, :inter]), (e.w3, w13[i, inter:], s13[i, inter:]),
-                                       (e.w2, w2[i], s2[i])):
-                codes.copy_(lin.weight.view(torch.uint8))
-                scales.copy_(lin.scale.view(torch.uint8))
-                lin.weight.data = codes.view(lin.weight.dtype)  # the old storage is freed here
-                lin.scale.data = scales.view(lin.scale.dtype)
-        self._stacked = (tuple(p.data_ptr() for p in params()), w13, s13, w2, s2)
-        return self._stacked[1:]
-
-    def fp4_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Routed + shared output [N, d] in x's dtype, for x bf16 [N, d]: the FP4 experts through
-        kernels/fp4_moe.py (only the selected experts' weights read, decoded in registers), the shared
-        expert (FP8) through its FP8Linears, the sum in the official order rounded once."""
-        return fp4_moe.moe(x, weights, ids, *self.fp4_stacked(), self.shared_experts.limit, self.shared_experts(x))
 
     # ---- grouped CUDA path ------------------------------------------------------------------------------
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,7 +48,7 @@ def test_fp8_gemm_matches_the_dequantise_then_bf16_path(M, N, K, hw):
 
 
 def fp4_experts(E: int, D: int, inter: int, seed: int):
-    """Random experts in the released storage, stacked as model/moe.py fp4_stacked gives them."""
+    """Random experts in the released storage, stacked as kernels/fp4_moe.py fp4_stacked gives them."""
     g = torch.Generator().manual_seed(seed)
     q13 = [quantize_fp4_e8m0(torch.randn(2 * inter, D, generator=g) * 0.1) for _ in range(E)]
     q2 = [quantize_fp4_e8m0(torch.randn(D, inter, generator=g) * 0.1) for _ in range(E)]
@@ -102,7 +102,7 @@ def test_the_plan_tiles_every_pair_once_by_expert():
 
 
 def test_stacking_fp4_experts_keeps_the_parameters_as_views():
-    """model/moe.py fp4_stacked: the experts' parameters become views into the stacked bytes (no second
+    """kernels/fp4_moe.py fp4_stacked: the experts' parameters become views into the stacked bytes (no second
     copy), with their names, shapes, dtypes and values; an in-place change is seen through the stack."""
     from model.config import preset
     from model.released import FP4Linear, Storage, storage_model
@@ -110,13 +110,13 @@ def test_stacking_fp4_experts_keeps_the_parameters_as_views():
     args = preset("micro")
     model = storage_model(args, Storage()).to_empty(device="cpu")
     moe = model.layers[0].ffn
-    assert moe.grouped and moe.fp4_experts()  # the grouped path now takes FP4 experts
+    assert moe.grouped and fp4_moe.fp4_experts(moe)  # the grouped path now takes FP4 experts
     g = torch.Generator().manual_seed(0)
     before = {}
     for n, p in moe.experts.named_parameters():
         p.data = torch.randint(0, 120, p.shape, generator=g, dtype=torch.uint8).view(p.dtype)
         before[n] = (p.shape, p.dtype, p.view(torch.uint8).clone())
-    w13, s13, w2, s2 = moe.fp4_stacked()
+    w13, s13, w2, s2 = fp4_moe.fp4_stacked(moe)
     inter = args.moe_inter_dim
     assert w13.shape == (args.n_routed_experts, 2 * inter, args.dim // 2) and s2.shape == (8, args.dim, inter // 32)
     for n, p in moe.experts.named_parameters():
@@ -128,4 +128,4 @@ def test_stacking_fp4_experts_keeps_the_parameters_as_views():
     with torch.no_grad():
         e3.w3.scale.view(torch.uint8).add_(1)
     assert torch.equal(s13[3, inter:], e3.w3.scale.view(torch.uint8))
-    assert moe.fp4_stacked()[0] is w13  # cached while no parameter is replaced
+    assert fp4_moe.fp4_stacked(moe)[0] is w13  # cached while no parameter is replaced

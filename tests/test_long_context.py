@@ -27,11 +27,11 @@ SHORT, MAX_TOKENS = 300, 3
 
 @pytest.fixture(scope="module")
 def long_trace(checkpoint, tmp_path_factory):
-    from tracing.workload import WorkloadSpec, record, recorded_llm
+    from tracing.workload import PromptLine, WorkloadSpec, record, recorded_llm
 
     path = tmp_path_factory.mktemp("long") / "long.mdt"
     rng = random.Random(19)
-    prompts = [([rng.randrange(3, 1024) for _ in range(n)], MAX_TOKENS) for n in (LONG - MAX_TOKENS, SHORT)]
+    prompts = [PromptLine([rng.randrange(3, 1024) for _ in range(n)], MAX_TOKENS) for n in (LONG - MAX_TOKENS, SHORT)]
     llm = recorded_llm(path, argv=["test_long_context"], model=str(checkpoint), max_model_len=LONG,
                        max_num_seqs=2, max_num_batched_tokens=512, seed=19)
     outcome = record(llm, WorkloadSpec(prompts=prompts, cancel_rate=0.0, seed=19))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import model.config as config
+from kernels import fp4_moe
 from model.checkpoint import init_weights, parameter_specs, save_checkpoint, weights_digest
 from model.load import load_model
 from model.config import preset
@@ -68,7 +69,7 @@ def test_the_slice_tensors_are_init_then_quantize_of_the_same_draws(tmp_path):
     for name, t in built.state_dict().items():
         assert same_bytes(t, from_files[name]), name
     assert isinstance(built.layers[0].attn.wq_a, FP8Linear) and isinstance(built.layers[6].ffn.experts[0].w1, FP4Linear)
-    assert built.layers[0].ffn.grouped and built.layers[0].ffn.fp4_experts()  # CUDA: kernels/fp4_moe.py
+    assert built.layers[0].ffn.grouped and fp4_moe.fp4_experts(built.layers[0].ffn)  # CUDA: kernels/fp4_moe.py
 
 
 def test_the_digest_is_over_the_stored_tensors_and_names_a_changed_byte(tmp_path):

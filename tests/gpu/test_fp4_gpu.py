@@ -86,7 +86,7 @@ def test_grouped_moe_over_fp4_experts_matches_the_masked_path():
 
     model, _ = build_slice(preset("micro"), seed=0, device="cuda")
     moe = model.layers[3].ffn
-    assert moe.grouped and moe.fp4_experts()
+    assert moe.grouped and fp4_moe.fp4_experts(moe)
     x = (torch.randn(37, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)) * 2).bfloat16()
     with torch.inference_mode():
         got = moe(x)
