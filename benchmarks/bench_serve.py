@@ -124,7 +124,7 @@ def main() -> None:
         rows.append(cells)
     console = Console()
     console.print(table)
-    console.print(f"tracing overhead: {rate[False] / rate[True]:.3f}x the untraced throughput "
+    console.print(f"traced / untraced throughput: {rate[True] / rate[False]:.3f} "
                   f"(median of {a.rounds} alternating runs each)")
     cpu = platform.processor() or platform.machine()
     print(f"\nmarkdown ({cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}):")

@@ -176,8 +176,10 @@ def swapped(choices: Choices, row: int, layer: int, name: str, new: set[int]) ->
     return out
 
 
-def forced_forward(model: Transformer, tokens, layer: int, name: str, row: int, new: set[int]) -> torch.Tensor:
-    """The reference forward with one discrete choice forced to `new` at `row` (everything else as it comes)."""
+def forced_forward(model: Transformer, tokens, layer: int, name: str, row: int, new: set[int],
+                   observe=None) -> torch.Tensor:
+    """The reference forward with one discrete choice forced to `new` at `row` (everything else as it comes);
+    `observe(layer, what, t)` sees every capture."""
     hooks = []
     if name == "experts":
         def gate_hook(gate, inputs, output):
@@ -193,6 +195,8 @@ def forced_forward(model: Transformer, tokens, layer: int, name: str, row: int, 
         hooks.append(model.layers[layer].ffn.gate.register_forward_hook(gate_hook))
 
     def capture(at: int, what: str, t: torch.Tensor) -> None:  # the model uses t after this call
+        if observe is not None:
+            observe(at, what, t)
         if at == layer and what == name:
             r = t.view(-1, t.size(-1))[row]
             if name == "topk":
@@ -251,6 +255,38 @@ def confirmed_near_tie(model, tokens, choices: Choices, row: int, ids, vals) -> 
                     f"({diff:.3g})"), tried
         tried.append(f"{tie.choice} of layer {tie.layer} (gap {tie.gap:.3g}) gives {diff:.3g}")
     return None, tried
+
+
+def rms_differences(model, got: torch.Tensor, golden: torch.Tensor, choices: Choices, what: str, rtol: float = 1e-2):
+    """Per-layer RMS [layers, positions] of `what` ("attn_out", or "stream": what a block passes on) beyond
+    `rtol` of the official one, split into those a confirmed near tie explains (a choice of this run within the
+    noise at that position, in that layer or an earlier one, whose other side, forced, brings it within `rtol`),
+    and the rest."""
+    explained, unexplained = [], []
+    for layer, pos in ((got - golden).abs() > rtol * golden.abs()).nonzero().tolist():
+        where = f"layer {layer} position {pos} ({float(got[layer, pos] / golden[layer, pos] - 1):+.3%})"
+        for at in range(layer + 1):
+            for name in ("experts", "topk", "candidates"):
+                new = other_side(choices, pos, at, name) if (at, name) in choices.data else None
+                tie = new and explain_choice(choices, pos, swapped(choices, pos, at, name, new), pos, at, name)
+                if isinstance(tie, NearTie) and abs(forced_rms(model, what, layer, pos, at, name, new) /
+                                                    float(golden[layer, pos]) - 1) <= rtol:
+                    explained.append(f"{where}: {tie}, confirmed by forcing its other side")
+                    break
+            else:
+                continue
+            break
+        else:
+            unexplained.append(where)
+    return explained, unexplained
+
+
+def forced_rms(model, what: str, layer: int, pos: int, at: int, name: str, new: set[int]) -> float:
+    """The RMS of `what` at (layer, pos) in the forward with one choice forced (forced_forward)."""
+    key, seen = (layer, "block" if what == "stream" else what), {}
+    forced_forward(model, PROMPTS["A"], at, name, pos, new,
+                   lambda i, w, t: seen.setdefault("t", t[0, pos].clone()) if (i, w) == key else None)
+    return float(seen["t"].float().square().mean().sqrt())
 
 
 _CACHE: dict = {}  # (what, prompt, id of the model) -> result: the module's models live as long as it
@@ -334,8 +370,15 @@ def test_reference_prefill_is_bitwise_the_official_code(official_ties, name, rec
             n = result.compared
             stream = torch.stack([choices.data[(i, "block")][:n].square().mean(-1).sqrt() for i in range(12)])
             attn = torch.stack([attn[i][:n] for i in range(12)])
-            torch.testing.assert_close(stream, GOLDEN["A.layers.stream_rms"][:, :n], rtol=1e-2, atol=0)
-            torch.testing.assert_close(attn, GOLDEN["A.layers.attn_out_rms"][:, :n], rtol=1e-2, atol=0)
+            for what, got in (("stream", stream), ("attn_out", attn)):
+                explained, unexplained = rms_differences(official_ties, got, GOLDEN[f"A.layers.{what}_rms"][:, :n],
+                                                         choices, what)
+                say(record_property, f"A {what} RMS beyond 1% of the official one: {explained or 'none'}")
+                if unexplained and KNOWN_DIFFERENCE is not None:  # as prefill's logits there: reported, not failed
+                    say(record_property, f"A {what} RMS beyond 1% with no confirmed near tie, on "
+                                         f"{KNOWN_DIFFERENCE['capability']} a known difference: {unexplained}")
+                else:
+                    assert not unexplained, f"{MODE}: {what} RMS beyond 1% that no confirmed near tie explains: {unexplained}"
         return
     capture = {}
     logits = ReferenceModel(official_ties).forward(
