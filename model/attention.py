@@ -149,35 +149,21 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
 
 
 def _top(scores: torch.Tensor, k: int, tie_rule: str = "lower-index", sorted: bool = True) -> torch.Tensor:
-    """Indices of the k largest along the last dim, in no promised order (every caller uses them as a set).
-    "lower-index": equal scores go to the lower index, the project's rule (spec §7.4-2). "torch":
-    torch.topk's own implementation-defined choice, which is what DeepSeek's code gets; only for comparing
-    with its outputs bit for bit (`sorted` as DeepSeek's call passes it).
-
-    The rule is a top-k over unique int64 keys (the score's order bits above the reversed index): the set a
-    stable descending sort's first k would give, in O(E) a row and in memory bounded by `_TOP_ELEMENTS`
-    whatever the rows times entries (a sort of a [chunk, 1M] score matrix needs tens of GB)."""
+    """Indices of the k largest along the last dim, as a set (no promised order). "lower-index": equal scores
+    go to the lower index, the project's rule (spec §7.4-2): a top-k over unique int64 keys, the fp32 score's
+    order bits (negatives' magnitude flipped, -0.0 made +0.0) above 2^32 - 1 - index, in row slices of
+    `_TOP_ELEMENTS`: a stable sort's first k in bounded memory (a [chunk, 1M] sort needs tens of GB).
+    "torch": torch.topk's own choice, DeepSeek's; only for comparing with its outputs bit for bit."""
     if tie_rule == "torch":
         return scores.topk(k, dim=-1, sorted=sorted).indices
-    E = scores.size(-1)
-    flat = scores.reshape(-1, E)
-    step = max(1, _TOP_ELEMENTS // max(E, 1))
-    low = (0xFFFFFFFF - torch.arange(E, device=scores.device)).expand(min(step, flat.size(0)), E)
-    parts = [_order_key(flat[i:i + step], low).topk(k, dim=-1, sorted=False).indices
-             for i in range(0, flat.size(0), step)] or [flat.new_empty(0, k, dtype=torch.long)]
-    return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*scores.shape[:-1], k)
+    flat = scores.reshape(-1, scores.size(-1))
+    step, low = max(1, _TOP_ELEMENTS // flat.size(1)), 0xFFFFFFFF - torch.arange(flat.size(1), device=flat.device)
+    bits = ((flat[i:i + step].float() + 0.0).view(torch.int32) for i in range(0, max(flat.size(0), 1), step))
+    keys = ((b ^ ((b >> 31) & 0x7FFFFFFF)).long() * (1 << 32) + low for b in bits)  # lazily: a slice at a time
+    return torch.cat([key.topk(k, dim=-1, sorted=False).indices for key in keys]).view(*scores.shape[:-1], k)
 
 
-_TOP_ELEMENTS = 1 << 25  # scores a top-k slice keys at once: 32M x ~20 bytes of temporaries
-
-
-def _order_key(scores: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered as (score descending, index ascending): the fp32 score's bits made order-preserving
-    as a signed int (negative floats' magnitude bits flipped; -0.0 first made +0.0, which compares equal to
-    it) in the high half, 2^32 - 1 - index in the low half."""
-    bits = (scores.float() + 0.0).view(torch.int32)
-    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return bits.long() * (1 << 32) + low[:scores.size(0)]
+_TOP_ELEMENTS = 1 << 25  # scores keyed at once: 32M x ~20 bytes of temporaries
 
 
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int,
