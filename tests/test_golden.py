@@ -232,15 +232,8 @@ class GoldenComparison:
 def confirmed_near_tie(model, tokens, choices: Choices, row: int, ids, vals) -> tuple[str | None, list[str]]:
     """A choice of this run at `row` within the noise whose other side, forced, brings the row within the
     rules: (its description, or None; what was tried)."""
-    candidates = []
-    for layer in range(model.args.n_layers):
-        for name in ("experts", "topk", "candidates"):
-            new = other_side(choices, row, layer, name) if (layer, name) in choices.data else None
-            if new is None:
-                continue
-            tie = explain_choice(choices, row, swapped(choices, row, layer, name, new), row, layer, name)
-            if isinstance(tie, NearTie):
-                candidates.append((tie.gap, layer, name, new, tie))
+    candidates = [(tie.gap, layer, name, new, tie)
+                  for layer, name, new, tie in near_ties(choices, row, model.args.n_layers)]
     tried = []
     for _, layer, name, new, tie in sorted(candidates, key=lambda c: (c[0], c[1]))[:MAX_FORCED]:
         logits = forced_forward(model, tokens, layer, name, row, new)[row]
@@ -257,6 +250,16 @@ def confirmed_near_tie(model, tokens, choices: Choices, row: int, ids, vals) -> 
     return None, tried
 
 
+def near_ties(choices: Choices, row: int, layers: int):
+    """(layer, name, other side, NearTie) of each choice at `row` in the first `layers` layers within the noise."""
+    for layer in range(layers):
+        for name in ("experts", "topk", "candidates"):
+            new = other_side(choices, row, layer, name) if (layer, name) in choices.data else None
+            tie = new and explain_choice(choices, row, swapped(choices, row, layer, name, new), row, layer, name)
+            if isinstance(tie, NearTie):
+                yield layer, name, new, tie
+
+
 def rms_differences(model, got: torch.Tensor, golden: torch.Tensor, choices: Choices, what: str, rtol: float = 1e-2):
     """Per-layer RMS [layers, positions] of `what` ("attn_out", or "stream": what a block passes on) beyond
     `rtol` of the official one, split into those a confirmed near tie explains (a choice of this run within the
@@ -265,19 +268,13 @@ def rms_differences(model, got: torch.Tensor, golden: torch.Tensor, choices: Cho
     explained, unexplained = [], []
     for layer, pos in ((got - golden).abs() > rtol * golden.abs()).nonzero().tolist():
         where = f"layer {layer} position {pos} ({float(got[layer, pos] / golden[layer, pos] - 1):+.3%})"
-        for at in range(layer + 1):
-            for name in ("experts", "topk", "candidates"):
-                new = other_side(choices, pos, at, name) if (at, name) in choices.data else None
-                tie = new and explain_choice(choices, pos, swapped(choices, pos, at, name, new), pos, at, name)
-                if isinstance(tie, NearTie) and abs(forced_rms(model, what, layer, pos, at, name, new) /
-                                                    float(golden[layer, pos]) - 1) <= rtol:
-                    explained.append(f"{where}: {tie}, confirmed by forcing its other side")
-                    break
-            else:
-                continue
-            break
-        else:
+        tie = next((tie for at, name, new, tie in near_ties(choices, pos, layer + 1)
+                    if abs(forced_rms(model, what, layer, pos, at, name, new) / float(golden[layer, pos]) - 1) <= rtol),
+                   None)
+        if tie is None:
             unexplained.append(where)
+        else:
+            explained.append(f"{where}: {tie}, confirmed by forcing its other side")
     return explained, unexplained
 
 
