@@ -375,7 +375,8 @@ def test_reference_prefill_is_bitwise_the_official_code(official_ties, name, rec
                     say(record_property, f"A {what} RMS beyond 1% with no confirmed near tie, on "
                                          f"{KNOWN_DIFFERENCE['capability']} a known difference: {unexplained}")
                 else:
-                    assert not unexplained, f"{MODE}: {what} RMS beyond 1% that no confirmed near tie explains: {unexplained}"
+                    assert not unexplained, (f"{MODE}: {what} RMS beyond 1% that no confirmed near tie explains: "
+                                             f"{unexplained}")
         return
     capture = {}
     logits = ReferenceModel(official_ties).forward(
