@@ -159,7 +159,7 @@ def _top(scores: torch.Tensor, k: int, tie_rule: str = "lower-index", sorted: bo
     flat = scores.reshape(-1, scores.size(-1))
     step, low = max(1, _TOP_ELEMENTS // flat.size(1)), 0xFFFFFFFF - torch.arange(flat.size(1), device=flat.device)
     bits = ((flat[i:i + step].float() + 0.0).view(torch.int32) for i in range(0, max(flat.size(0), 1), step))
-    keys = ((b ^ ((b >> 31) & 0x7FFFFFFF)).long() * (1 << 32) + low for b in bits)  # lazily: a slice at a time
+    keys = (b.bitwise_xor_((b >> 31).bitwise_and_(0x7FFFFFFF)).long().mul_(1 << 32).add_(low) for b in bits)  # lazily
     return torch.cat([key.topk(k, dim=-1, sorted=False).indices for key in keys]).view(*scores.shape[:-1], k)
 
 
