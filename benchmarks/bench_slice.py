@@ -9,10 +9,14 @@ them. A (batch, context) whose prompts would need more than `--max-prefill-token
 skipped and said so (the masked FP4 MoE made the slice's prefill slow; since issue #20 item 3 the grouped
 FP4 kernels run it, kernels/fp4_moe.py).
 Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first token), after one untimed run.
+Profile (`--profile BxC`, issue #20 items 3 and 4): one eager decode step of B rows at context C and one prefill
+step of `--max-batched-tokens` tokens of one prompt from position 0, under torch.profiler: each layer's device
+time (its Engram block, attention and the rest: the hyper-connections and MoE) and the kernels with the most
+device time, with their share of the step.
 `max_seq_len` is raised on the loaded weights when a context needs it (no numeric effect, spec §8).
 
 Usage: python benchmarks/bench_slice.py [--model v41-slice] [--batches 1,16] [--contexts 1024]
-                                        [--prefill 1x4096] [--json OUT]
+                                        [--prefill 1x4096] [--profile 64x4096] [--json OUT]
 Prints a line per measurement and markdown rows for benchmarks/RESULTS.md.
 """
 from __future__ import annotations
@@ -46,6 +50,123 @@ def load(model: str, max_len: int) -> tuple[object, str, float]:
     return weights, digest, seconds
 
 
+def profiled(engine: LLMEngine, top: int) -> dict:
+    """One engine step under torch.profiler: device ms by layer part and the `top` kernels by device time.
+    Ranges: "layer L" around each block, "layer L engram" around its Engram block, "layer L attention" around
+    its attention sublayer; a kernel counts in the innermost range its launch was in, so a layer's "rest" is
+    what it launched outside the other two (hyper-connections, norms, MoE)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model = engine.runner.model
+    hooks, attend = [], model.attend
+
+    def ranged(name, module):
+        def enter(*_):
+            module._range = record_function(name)
+            module._range.__enter__()
+
+        def leave(*_):
+            module._range.__exit__(None, None, None)
+        hooks.extend([module.register_forward_pre_hook(enter), module.register_forward_hook(leave)])
+
+    for block in model.weights.layers:
+        ranged(f"layer {block.layer}", block)
+        if block.engram is not None:
+            ranged(f"layer {block.layer} engram", block.engram)
+
+    def attend_ranged(block, *args):
+        with record_function(f"layer {block.layer} attention"):
+            return attend(block, *args)
+    model.attend = attend_ranged
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+    finally:
+        del model.attend
+        for h in hooks:
+            h.remove()
+    averages = prof.key_averages()
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.key.startswith("layer ")]  # the ranges' own device spans are not kernels
+    total = sum(e.self_device_time_total for e in kernels) / 1e3
+    # each kernel to the innermost range open when its launch call (the runtime or driver API event with the same
+    # correlation id) ran; Triton's driver launches are linked to no torch op, so time on the CPU is the link
+    raw = prof.profiler.kineto_results.events()
+    spans = sorted((e.start_ns(), e.end_ns(), e.name()) for e in raw
+                   if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith("layer "))
+    launched = {e.correlation_id(): e.start_ns() for e in raw if e.device_type() == torch.autograd.DeviceType.CPU
+                and not e.is_user_annotation() and e.name().startswith("cu")}
+    parts = {}
+    for e in raw:
+        if e.device_type() != torch.autograd.DeviceType.CUDA or e.is_user_annotation():
+            continue
+        t = launched.get(e.correlation_id())
+        key = "untraced" if t is None else next((n for a, b, n in reversed(spans) if a <= t <= b), "outside")
+        parts[key] = parts.get(key, 0.0) + e.duration_ns() / 1e6
+    layers = []
+    for block in model.weights.layers:
+        name = f"layer {block.layer}"
+        engram, att, rest = (parts.get(f"{name} engram", 0.0), parts.get(f"{name} attention", 0.0),
+                             parts.get(name, 0.0))
+        layers.append(dict(layer=block.layer, ratio=block.attn.ratio, engram_ms=engram, attention_ms=att,
+                           rest_ms=rest, total_ms=engram + att + rest))
+    top_kernels = [dict(name=e.key, count=e.count, ms=e.self_device_time_total / 1e3,
+                        share=e.self_device_time_total / 1e3 / total)
+                   for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]]
+    return dict(device_ms=total, kernels=sum(e.count for e in kernels), layers=layers, top=top_kernels,
+                outside_ms=parts.get("outside", 0.0), untraced_ms=parts.get("untraced", 0.0))
+
+
+def print_profile(title: str, r: dict) -> None:
+    print(f"\n{title}: {r['kernels']} kernels, {r['device_ms']:.3f} ms of device time ({r['outside_ms']:.3f} ms "
+          f"launched outside the layers, {r['untraced_ms']:.3f} ms not traced to a launch)")
+    print("| layer | ratio | Engram ms | attention ms | rest ms (HC, norms, MoE) | layer ms | share |")
+    for x in r["layers"]:
+        print(f"| {x['layer']} | {x['ratio']} | {x['engram_ms']:.3f} | {x['attention_ms']:.3f} | {x['rest_ms']:.3f} | "
+              f"{x['total_ms']:.3f} | {x['total_ms'] / max(r['device_ms'], 1e-9):.1%} |")
+    print("| kernel | launches | ms | share |")
+    for k in r["top"]:
+        print(f"| {k['name'][:90]} | {k['count']} | {k['ms']:.3f} | {k['share']:.1%} |")
+
+
+def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: int) -> dict:
+    """Profile one eager decode step of `batch` rows at `context`, then time `timed` decode steps of the same rows
+    with CUDA graphs and ZOS on (after 2 steps of capture), then profile one full prefill step from 0."""
+    from engine.sequence import SamplingParams
+
+    engine.runner.use_cuda_graphs, zos, engine.enable_zos = False, engine.enable_zos, False
+    for i in range(batch):
+        engine.add_request([3 + (i * 7 + j) % 1000 for j in range(context)],
+                           SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 2 + timed, ignore_eos=True))
+    while engine.tracer.kinds.get(engine.scheduler.step - 1) != ("decode", batch):
+        engine.step()  # every prompt's prefill, then the first decode step of all rows
+    engine.step()  # one more decode step of all rows (warm)
+    decode = profiled(engine, top)
+    assert engine.tracer.kinds[engine.scheduler.step - 1] == ("decode", batch), "the profiled step was not a decode"
+    engine.runner.use_cuda_graphs, engine.enable_zos = True, zos
+    for _ in range(2):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(timed):
+        engine.step()
+    torch.cuda.synchronize()
+    decode["graph_ms_per_step"] = (time.perf_counter() - start) / timed * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    engine.runner.use_cuda_graphs, engine.enable_zos = False, False
+    tokens = engine.scheduler.config.max_num_batched_tokens
+    engine.add_request([3 + j % 1000 for j in range(tokens)], SamplingParams(temperature=1.0, max_tokens=1))
+    prefill = profiled(engine, top)
+    assert engine.tracer.kinds[engine.scheduler.step - 1] == ("prefill", 1), "the profiled step was not a prefill"
+    while engine.has_unfinished():
+        engine.step()
+    engine.runner.use_cuda_graphs, engine.enable_zos = True, zos
+    return dict(batch=batch, context=context, decode=decode, prefill_tokens=tokens, prefill=prefill)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="v41-slice")
@@ -56,19 +177,22 @@ def main() -> None:
     p.add_argument("--prefill", default="1x4096", help="NxL prefill shapes, comma separated ('' for none)")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--max-prefill-tokens", type=int, default=1 << 17)
+    p.add_argument("--profile", default="", help="BxC: profile a decode step of B rows at context C, and a prefill step")
+    p.add_argument("--profile-top", type=int, default=25, help="kernels listed in each profile")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    profile_shape = tuple(map(int, a.profile.split("x"))) if a.profile else None
     batches, contexts = [int(b) for b in a.batches.split(",")], [int(c) for c in a.contexts.split(",")]
     shapes = [tuple(map(int, s.split("x"))) for s in a.prefill.split(",") if s]
     margin = a.warmup + a.steps + 8
-    max_len = max(contexts + [length for _, length in shapes]) + margin
+    max_len = max(contexts + [length for _, length in shapes] + [profile_shape[1] if profile_shape else 0]) + margin
     ceilings = measure_ceilings()
     hw = torch.cuda.get_device_name()
     weights, digest, load_s = load(a.model, max_len)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.parameters())
     print(f"{a.model}: loaded in {load_s:.1f} s, digest {digest}, weights {weight_bytes / GB:.2f} GB, "
           f"allocated {torch.cuda.memory_allocated() / GB:.2f} GB; copy {ceilings['copy_GBps']:.0f} GB/s", flush=True)
-    rows = max(batches + [n for n, _ in shapes])
+    rows = max(batches + [n for n, _ in shapes] + [profile_shape[0] if profile_shape else 0])
     blocks = rows * cdiv(max_len, BLOCK_SIZE)
     tracer = SpanTracer()
     engine = LLMEngine(weights, SchedulerConfig(max_num_seqs=rows, max_num_batched_tokens=a.max_batched_tokens,
@@ -99,6 +223,11 @@ def main() -> None:
         seconds, steps = prefill_run(engine, n, length, seed=8)
         prefills.append(dict(prompts=n, length=length, seconds=seconds, steps=steps, tokens_per_s=n * length / seconds))
         print(f"prefill {n}x{length}: {seconds:.2f} s in {steps} steps, {n * length / seconds:,.0f} tok/s", flush=True)
+    profile = profile_run(engine, *profile_shape, a.profile_top, a.steps) if profile_shape else None
+    if profile:
+        print_profile(f"decode step, batch {profile['batch']}, context {profile['context']} (CUDA graphs: "
+                      f"{profile['decode']['graph_ms_per_step']:.2f} ms/step)", profile["decode"])
+        print_profile(f"prefill step of {profile['prefill_tokens']} tokens from position 0", profile["prefill"])
     engine.shutdown()
     print(f"\n| hardware | checkpoint | batch | context | variant | ms/step | tokens/s | device busy | peak GB |")
     for r in results:
@@ -111,7 +240,7 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump({"hardware": hw, "model": a.model, "digest": digest, "load_s": load_s,
                        "weight_GB": weight_bytes / GB, "ceilings": ceilings, "decode": results,
-                       "prefill": prefills, "args": vars(a)}, f, indent=1)
+                       "prefill": prefills, "profile": profile, "args": vars(a)}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -108,9 +108,11 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor
     K, M = h.size(-2) * h.size(-1), fn.size(0)
     x = h.contiguous().view(-1, K)
     out = torch.empty(x.size(0), M, dtype=torch.float32, device=h.device)
-    if x.size(0):  # a program per token: a decode step's few rows still spread over the chip
+    if x.size(0):  # a program per token: a decode step's few rows still spread over the chip; each reads all of
+        # fn (2 MB at V4.1's width) from L2: wide tiles and 8 warps keep more of its loads in flight. On the H200 at
+        # the slice's width: 0.205 -> 0.067 ms at 64 rows (decode), 2.1 -> 3.6 ms at 8,192 (prefill, 2% of its step)
         _hc_mixes_kernel[(x.size(0),)](x, fn.contiguous(), out, K, M, norm_eps,
-                                       BLOCK_M=triton.next_power_of_2(M), BLOCK_K=128)
+                                       BLOCK_M=triton.next_power_of_2(M), BLOCK_K=512, num_warps=8)
     return out.view(*h.shape[:-2], M)
 
 

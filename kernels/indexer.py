@@ -10,7 +10,9 @@ Between its projections and its top-k, and the index list after it: where a deco
   einsum, relu, product, head sum, arange, comparison and fill of model/attention.py's `index_scores`.
   The dot products and the head sum may associate otherwise than cuBLAS and torch's reduction, so scores
   agree within a bf16 ulp, not bit for bit; each row's arithmetic is its own (fixed blocks, head order),
-  so the kernel is batch-invariant as it stands (model/invariant.py).
+  so the kernel is batch-invariant as it stands (model/invariant.py). Under 16 queries a row (decode), a
+  program takes one query and puts its heads, 16 at a time, on the rows of the same dot, then adds them in
+  head order: the same bits (tests/gpu), without the 15 empty query rows of a decode step's block.
 - `attention_list`: model/attention.py's `attention_list` (with the shift of the top-k entries to their
   places after the window and this chunk, and the lengths from each row's end) in one launch of integer
   work: the same list, exactly.
@@ -52,6 +54,30 @@ if triton is not None:
                  mask=(s < S)[:, None] & (e < E)[None, :])
 
     @triton.jit
+    def _index_scores_row_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, S, E, H,
+                                 sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, so_b, so_s,
+                                 D: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr):
+        # one query against a block of entries, its heads BH at a time on the rows of the same [BH, D] x [D, BE]
+        # dot as _index_scores_kernel's (an MMA row's sums are its own), each head then added in head order
+        b, s = tl.program_id(2).to(tl.int64), tl.program_id(0).to(tl.int64)
+        e = tl.program_id(1) * BE + tl.arange(0, BE)
+        d, hb = tl.arange(0, D), tl.arange(0, BH)
+        keys = tl.load(k_ptr + b * sk_b + e.to(tl.int64)[None, :] * sk_e + d[:, None],
+                       mask=(e < E)[None, :], other=0.0)  # [D, BE] bf16
+        acc = tl.zeros((BE,), dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            h = h0 + hb
+            q = tl.load(q_ptr + b * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :], mask=(h < H)[:, None], other=0.0)
+            dot = tl.dot(q.to(tl.float32), keys.to(tl.float32), input_precision="tf32").to(tl.bfloat16).to(tl.float32)
+            w = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=h < H, other=0.0).to(tl.float32)
+            term = (tl.maximum(dot, 0.0) * w[:, None]).to(tl.bfloat16).to(tl.float32)  # [BH, BE]
+            for i in tl.static_range(BH):  # one head's row (a sum of it and zeros is exact), in head order
+                acc += tl.sum(tl.where(hb[:, None] == i, term, 0.0), axis=0)
+        visible = tl.load(vis_ptr + b * S + s)
+        score = tl.where(e < visible, acc, -float("inf")).to(tl.bfloat16)
+        tl.store(out_ptr + b * so_b + s * so_s + e, score, mask=e < E)
+
+    @triton.jit
     def _attention_list_kernel(window_ptr, topk_ptr, end_ptr, out_ptr, S, W, K, offset, ratio, max_compressed,
                                FULL_WINDOW: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # b * S + s
@@ -78,10 +104,14 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
         w = w if w.stride(-1) == 1 else w.contiguous()
         keys = keys if keys.stride(-1) == 1 else keys.contiguous()
         vis = visible.to(torch.int32).contiguous()
-        grid = (triton.cdiv(S, BLOCK_S), triton.cdiv(E, BLOCK_E), B)
-        _index_scores_kernel[grid](q, w, keys, vis, out, S, E, H, q.stride(0), q.stride(1), q.stride(2),
-                                   w.stride(0), w.stride(1), keys.stride(0), keys.stride(1), out.stride(0),
-                                   out.stride(1), D=D, BS=BLOCK_S, BE=BLOCK_E)
+        strides = (q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), keys.stride(0), keys.stride(1),
+                   out.stride(0), out.stride(1))
+        if S < BLOCK_S:  # decode: a program per query, its heads on the dot's rows (the same scores, 16x less work)
+            _index_scores_row_kernel[(S, triton.cdiv(E, BLOCK_E), B)](q, w, keys, vis, out, S, E, H, *strides, D=D,
+                                                                      BH=BLOCK_S, BE=BLOCK_E)
+        else:
+            _index_scores_kernel[(triton.cdiv(S, BLOCK_S), triton.cdiv(E, BLOCK_E), B)](
+                q, w, keys, vis, out, S, E, H, *strides, D=D, BS=BLOCK_S, BE=BLOCK_E)
     return out
 
 

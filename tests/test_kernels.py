@@ -282,15 +282,17 @@ def test_attention_list_kernel_gives_the_list_of_the_torch_path(full_window, K):
 def test_index_scores_kernel_gives_the_scores_of_the_torch_path():
     """kernels/indexer.py `index_scores` against model/attention.py's torch lines, on values whose every
     product and sum is exact in bf16 (so the order of the adds cannot show; tests/gpu compares rounding),
-    with strided keys (as the paged stream gives them), an entry block edge and the -inf mask."""
+    with strided keys (as the paged stream gives them), an entry block edge and the -inf mask; both kernels:
+    a program per query under 16 queries a row (decode), a block of 16 queries from 16 on."""
     from kernels.indexer import index_scores as kernel_scores
     from model import attention
 
     g = torch.Generator().manual_seed(0)
-    B, S, H, D, E = 2, 3, 4, 16, 70
-    q = torch.randint(-1, 2, (B, S, H, D), generator=g).bfloat16()
-    w = (2 ** torch.randint(0, 2, (B, S, H), generator=g)).bfloat16()
-    keys = torch.randint(-1, 2, (B, E + 5, D), generator=g).bfloat16()[:, :E]
-    visible = torch.randint(0, E + 1, (B, S), generator=g)
-    want = attention.index_scores(q, w, keys, visible)
-    assert torch.equal(kernel_scores(q, w, keys, visible), want)
+    B, H, D, E = 2, 4, 16, 70
+    for S in (3, 17):
+        q = torch.randint(-1, 2, (B, S, H, D), generator=g).bfloat16()
+        w = (2 ** torch.randint(0, 2, (B, S, H), generator=g)).bfloat16()
+        keys = torch.randint(-1, 2, (B, E + 5, D), generator=g).bfloat16()[:, :E]
+        visible = torch.randint(0, E + 1, (B, S), generator=g)
+        want = attention.index_scores(q, w, keys, visible)
+        assert torch.equal(kernel_scores(q, w, keys, visible), want), S

@@ -264,6 +264,12 @@ def test_indexer_kernels_compiled_match_the_torch_paths():
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = ~torch.isinf(want)
     torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=2 ** -7, atol=2 ** -6)
+    for s in range(0, S, 4):  # a decode step's query (a program per query) gives the bits of a chunk's (a block)
+        assert torch.equal(kernel_scores(q[:, s:s + 1], w[:, s:s + 1], keys, visible[:, s:s + 1]), got[:, s:s + 1]), s
+    H = 64  # the released indexer's heads: four blocks of the dot's rows, at a decode shape
+    q, w = torch.randn(B, S, H, D, generator=g, device="cuda").bfloat16(), torch.randn(B, S, H, generator=g, device="cuda").bfloat16()
+    got = kernel_scores(q, w, keys, visible)
+    assert torch.equal(kernel_scores(q[:, -1:], w[:, -1:], keys, visible[:, -1:]), got[:, -1:])
 
     W, K, end = 128, 64, torch.tensor([5, 130, 400, 1, 128], device="cuda")
     window = torch.randint(-1, 500, (B, S, W), generator=g, device="cuda")
