@@ -53,6 +53,7 @@ OFF_PATH = {
     "engine/launch.py": "starts N ranks for EP x DP; a decode step never runs it",
     "engine/platform.py": "what decides the bits, written in a trace header; no step reads it",
     "engine/kv_budget.py": "sizes the default KV pool from a memory budget, at start-up; no step reads it",
+    "engine/host.py": "the CPU allocator's settings, set once at start-up; no step reads it",
     "engine/async_llm.py": "the engine in its own thread for `mdi-trace serve`; a step is the same step()",
     "kernels/fp8_gemm.py": "the FP8 GEMM of the released format on CUDA; the torch form is model/quant.py's",
     "kernels/fp4_moe.py": "the grouped MoE over FP4 experts on CUDA; the torch form is model/moe.py's",

@@ -21,6 +21,10 @@ if str(ROOT) not in sys.path:
 
 DATA = Path(__file__).resolve().parent / "data"
 
+from engine.host import tune_cpu_allocator  # noqa: E402  (after ROOT is on the path)
+
+tune_cpu_allocator()  # as `mdi-trace` sets it: the in-process runs' large tensors stay mapped between steps
+
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:

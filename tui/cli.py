@@ -828,8 +828,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     a = parser.parse_args(argv)
+    from engine.host import tune_cpu_allocator
     from model.config import ConfigError
     from tracing.reader import TraceError
+
+    tune_cpu_allocator()  # a CPU step's large tensors stay mapped between steps (engine/host.py)
 
     def user_errors():  # evaluated when an exception is matched: CheckpointError only if torch was loaded
         loaded = [(sys.modules.get(m), name) for m, name in (("model.checkpoint", "CheckpointError"),
