@@ -2,10 +2,11 @@
 
 glibc serves every allocation over its mmap threshold (at most 32 MB) with a fresh mmap and returns it with
 munmap on free, so a CPU forward whose activations, logits or index scores pass 32 MB faults in and zeroes
-every page of them again at every step: on tiny-68m's H200 example trace, 26 of a 40 s check was system
-time. With mmap off (M_MMAP_MAX = 0) the heap serves them and keeps what is freed, and with a 1 GiB trim
-threshold (M_TRIM_THRESHOLD) it gives memory back only past that much free at its top: the same check in
-23 s, its peak resident memory 1.7 GB instead of 1.3. Set once per process by `mdi-trace` (tui/cli.py) and
+every page of them again at every step. With mmap off (M_MMAP_MAX = 0) the heap serves them and keeps
+what is freed, and with a 1 GiB trim threshold (M_TRIM_THRESHOLD) it gives memory back only past that much
+free at its top. `mdi-trace check traces/examples/h200-tiny68m-zos.mdt --until 6` (tiny-68m, 2 CPU cores):
+30.1 s -> 22.5 s, its system time 22.2 s -> 8.0 s, its peak resident memory 1.33 -> 1.82 GB.
+Set once per process by `mdi-trace` (tui/cli.py) and
 by the tests; an `LLM` in a user's own process can call `tune_cpu_allocator()` itself. Any MALLOC_*
 variable in the environment (glibc's own settings) leaves the allocator as the user set it.
 """

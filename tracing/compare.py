@@ -138,7 +138,7 @@ def explain_choice(ref: Choices, ref_row: int, got: Choices, got_row: int, layer
     a NearTie if it differs within the noise, else a message naming the clear gap."""
     ta, tb = ref.data.get((layer, name)), got.data.get((layer, name))
     if ta is None or tb is None or (ta.shape[1:] == tb.shape[1:] and torch.equal(ta[ref_row], tb[got_row])):
-        return None  # not made, or the same selection as stored (the sets below cost ~100 us a row)
+        return None  # not made, or the same selection (explain() was 17.7 of a 16k-position check's 129 s)
     args, choice = ref.args, dict(CHOICES)[name]
     a, b = ref.chosen(layer, name, ref_row), got.chosen(layer, name, got_row)
     if name == "candidates" and a is not None and b is not None:  # compare blocks, whatever the width
