@@ -5,10 +5,10 @@ munmap on free, so a CPU forward whose activations, logits or index scores pass 
 every page of them again at every step. With mmap off (M_MMAP_MAX = 0) the heap serves them and keeps
 what is freed, and with a 1 GiB trim threshold (M_TRIM_THRESHOLD) it gives memory back only past that much
 free at its top. `mdi-trace check traces/examples/h200-tiny68m-zos.mdt --until 6` (tiny-68m, 2 CPU cores):
-30.1 s -> 22.5 s, its system time 22.2 s -> 8.0 s, its peak resident memory 1.33 -> 1.82 GB.
-Set once per process by `mdi-trace` (tui/cli.py) and
-by the tests; an `LLM` in a user's own process can call `tune_cpu_allocator()` itself. Any MALLOC_*
-variable in the environment (glibc's own settings) leaves the allocator as the user set it.
+30.1 s -> 22.5 s, its system time 22.2 s -> 8.0 s, its peak resident memory 1.33 -> 1.82 GB. Set once
+per process by `mdi-trace` (tui/cli.py) and by the tests; an `LLM` in a user's own process can call
+`tune_cpu_allocator()` itself. Any MALLOC_* variable in the environment (glibc's own settings) leaves the
+allocator as the user set it.
 """
 from __future__ import annotations
 
