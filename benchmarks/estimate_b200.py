@@ -30,7 +30,7 @@ layers; layer 14's Engram block counted once more), split in three:
   the head, embedding and sampler once (the slice's non-layer kernel time, scaled by bandwidth).
 
 It assumes CUDA graphs (or a host that keeps up) under EP: the engine turns graphs off when world_size > 1
-(issue #9), and an eager step is host-bound (the slice's eager batch-1 step is ~4x its graph step), so as
+(issue #9), and an eager step is host-bound (the slice's eager batch-1 step is 4-6x its graph step), so as
 the engine stands an EP x DP decode step would be bound by its host, not by this estimate.
 
 Usage: python benchmarks/estimate_b200.py PROFILE.json [--slice-peak-gb 69.8] [--batch 64] [--context 32768]
