@@ -143,11 +143,8 @@ def main() -> None:
 
     # ---- decode step per GPU --------------------------------------------------------------------------
     d = prof["decode"]
-    moe_ms = {x["layer"]: 0.0 for x in d["layers"]}
-    moe_total = sum(x["ms"] for x in d["top"] if x["name"] in MOE_KERNELS)
-    moe_layer = moe_total / len(d["layers"])  # the routed experts' kernels cost alike in every layer (one launch each)
-    for layer in moe_ms:
-        moe_ms[layer] = moe_layer
+    # the routed experts' kernels cost alike in every layer (one launch each)
+    moe = sum(x["ms"] for x in d["top"] if x["name"] in MOE_KERNELS) / len(d["layers"])
     layers = {x["layer"]: x for x in d["layers"]}
     outside = d["device_ms"] - sum(x["total_ms"] for x in d["layers"])  # embed, head, sampler, step inputs
     graph_ms = a.graph_step_ms or d.get("graph_ms_per_step")
@@ -160,10 +157,10 @@ def main() -> None:
     rows = []
     for role, real in ROLES.items():
         x = layers[role]
-        other = x["total_ms"] - moe_ms[role]
+        other = x["total_ms"] - moe
         if role == 2:
             other += layers[1]["engram_ms"] / len(real)  # layer 14, a ratio-2 source, has an Engram block too
-        rows.append((role, len(real), other, moe_ms[role]))
+        rows.append((role, len(real), other))
     print(f"### Decode step per GPU (estimate), from the slice's profile at batch {a.batch}, context {a.context:,}\n")
     print(f"Scales: B200/H200 bandwidth {1 / bw:.2f}x; the profile's kernel time to a graph step {graph:.3f}x; "
           f"routed experts read per GPU {per_gpu_experts:.1f} of {E // G} (EP) against "
@@ -172,7 +169,7 @@ def main() -> None:
           "B200 ms, all its layers |")
     print("|---|---|---|---|---|")
     step = 0.0
-    for role, n, other, moe in rows:
+    for role, n, other in rows:
         ms = n * (other + moe * moe_scale) * graph * bw
         step += ms
         print(f"| {role} (ratio {layers[role]['ratio']}) | {n} | {other:.3f} | {moe:.3f} | {ms:.2f} |")
