@@ -80,7 +80,7 @@ def profiled(engine: LLMEngine, top: int) -> dict:
     model.attend = attend_ranged
     torch.cuda.synchronize()
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
             engine.step()
             torch.cuda.synchronize()
     finally:
@@ -116,7 +116,41 @@ def profiled(engine: LLMEngine, top: int) -> dict:
                         share=e.self_device_time_total / 1e3 / total)
                    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]]
     return dict(device_ms=total, kernels=sum(e.count for e in kernels), layers=layers, top=top_kernels,
-                outside_ms=parts.get("outside", 0.0), untraced_ms=parts.get("untraced", 0.0))
+                outside_ms=parts.get("outside", 0.0), untraced_ms=parts.get("untraced", 0.0),
+                sources=launch_sources(prof, kernels))
+
+
+def launch_sources(prof, kernels) -> list[dict]:
+    """Kernel launches and device ms by the project function that launched them (issue #20 item 5: where to
+    fuse). A kernel linked to a torch op counts under the innermost frame of that op's Python stack in
+    model/, kernels/ or engine/; a Triton kernel (linked to no op) under the function of kernels/ that
+    launches it, known by its name (`_name_kernel` defined there)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    defined = {}
+    for path in sorted((root / "kernels").glob("*.py")):
+        for name in re.findall(r"^\s*def (_\w+_kernel)\(", path.read_text(), re.M):
+            defined[name] = f"kernels/{path.stem} (Triton {name})"
+    found, linked = {}, 0
+    for e in prof.events():
+        launched = getattr(e, "kernels", None)
+        if e.device_type != torch.autograd.DeviceType.CPU or not launched:
+            continue
+        frame = next((f for f in e.stack if any(f"/{d}/" in f for d in ("model", "kernels", "engine"))), None)
+        key = "(no project frame)" if frame is None else re.sub(r"^.*/((?:model|kernels|engine)/[^(]+)\.py\(\d+\): (.*)$",
+                                                                r"\1 \2", frame)
+        c = found.setdefault(key, [0, 0.0])
+        c[0] += len(launched)
+        c[1] += sum(k.duration for k in launched) / 1e3
+        linked += len(launched)
+    for e in kernels:  # the Triton kernels: by name
+        if e.key in defined:
+            c = found.setdefault(defined[e.key], [0, 0.0])
+            c[0] += e.count
+            c[1] += e.self_device_time_total / 1e3
+    return [dict(source=k, launches=n, ms=ms) for k, (n, ms) in sorted(found.items(), key=lambda kv: -kv[1][0])]
 
 
 def print_profile(title: str, r: dict) -> None:
@@ -129,6 +163,10 @@ def print_profile(title: str, r: dict) -> None:
     print("| kernel | launches | ms | share |")
     for k in r["top"]:
         print(f"| {k['name'][:90]} | {k['count']} | {k['ms']:.3f} | {k['share']:.1%} |")
+    counted = sum(x["launches"] for x in r["sources"])
+    print(f"| launched by (innermost project frame) | launches ({counted} of {r['kernels']}) | ms |")
+    for x in r["sources"]:
+        print(f"| {x['source'][:90]} | {x['launches']} | {x['ms']:.3f} |")
 
 
 def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: int) -> dict:

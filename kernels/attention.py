@@ -8,7 +8,9 @@ query's gathered rows ([B, S, 64, D] fp32 per block of the index list) and runs 
 layer; this kernel reads each listed row once, where it lies (the paged model's window ring, this
 chunk's latents or the compressed entries in their KV blocks, through the block table: no gathered or
 concatenated copy), and keeps the running max, denominator and accumulator in registers. One program
-per query token, all heads together (padded to 16 rows for the tensor cores).
+per query token and block of heads (`config`: at least 16 rows for the tensor cores); a block of heads
+shares each gathered block of rows. At D = 512 all 64 heads in one block on 8 warps (not 4) hold the
+[heads, D] fp32 accumulator without spilling.
 
 Numerics, as the torch path: blocks of 64 indices in list order; scores from bf16 q and bf16 rows with
 fp32 accumulation, masked to -inf where the index is -1, then times the scale in fp32; the running max
@@ -44,10 +46,10 @@ if triton is not None:
         # e = j - W - NB in the paged pool, at (tables[b, e // PER_BLOCK], e % PER_BLOCK). The ring and the
         # pool are addressed from kv_ptr by their element distance (ring_delta, pool_delta), so each
         # block of indices is one gathered load.
-        pid = tl.program_id(0)  # one query token: row b, position s
+        pid = tl.program_id(0)  # one query token: row b, position s; program_id(1): its block of heads
         b, s = pid // S, pid % S
         b64 = b.to(tl.int64)
-        h = tl.arange(0, BLOCK_H)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
         k = tl.arange(0, BLOCK)
         q = tl.load(q_ptr + b64 * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :],
@@ -91,13 +93,25 @@ def applies(q: torch.Tensor) -> bool:
     return triton is not None and q.is_cuda and q.dtype == torch.bfloat16 and D >= 16 and D & (D - 1) == 0
 
 
+def config(H: int, D: int) -> dict:
+    """Heads a program (BLOCK_H), warps and pipeline stages, by the heads and the head width only, never
+    the batch (a row's bits do not depend on what it is batched with). Blocks of fewer heads (16, 32) change a
+    few values (another MMA shape sums the dot in another order; within the torch path's tolerance): the one
+    chosen keeps one block of all heads, and the bits of the earlier 4-warp form (tests/gpu). Chosen by
+    benchmarks/bench_attention.py --sweep on an H200 (RESULTS.md)."""
+    if D >= 256:  # the slice (64 x 512): 0.116 -> 0.065 ms decode (64 rows), 6.39 -> 2.81 ms prefill (8,192 queries)
+        return dict(BLOCK_H=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_H=max(16, min(64, triton.next_power_of_2(H))), num_warps=4, num_stages=3)
+
+
 def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.Tensor, kv: torch.Tensor,
                       pool: torch.Tensor | None, tables: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, cfg: dict | None = None) -> torch.Tensor:
     """Sparse attention over model/paged.py's sources in place, with no gathered copy: index j < W is a
     window position in `ring` [slots, W, D] at row slots[b]; the next S indices are this chunk's window
     latents kv [B, S, D]; the rest are compressed entries of `pool` [blocks, per_block, D] through the
-    block tables [B, nb]. ring/pool None: no such source. q [B,S,H,D] bf16, idx [B,S,L] -> [B,S,H,D] bf16."""
+    block tables [B, nb]. ring/pool None: no such source. q [B,S,H,D] bf16, idx [B,S,L] -> [B,S,H,D] bf16.
+    `cfg` overrides `config` (tests, benchmarks)."""
     B, S, H, D = q.shape
     assert q.dtype == kv.dtype == torch.bfloat16 and q.stride(-1) == kv.stride(-1) == 1
     assert all(t is None or (t.dtype == kv.dtype and t.stride(-1) == 1) for t in (ring, pool))
@@ -109,17 +123,20 @@ def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.T
     ring_args = (delta(ring), slots, W, ring.stride(0), ring.stride(1)) if ring is not None else (0, slots, 0, 0, 0)
     pool_args = ((delta(pool), tables, tables.stride(0), pool.size(1), pool.stride(0), pool.stride(1))
                  if pool is not None else (0, tables, 0, 1, 0, 0))
+    cfg = dict(config(H, D), **(cfg or {}))
     if B * S:
-        _sparse_attn_kernel[(B * S,)](q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1),
-                                      q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1),
-                                      out.stride(0), out.stride(1), out.stride(2),
-                                      kv, kv.size(1), kv.stride(0), kv.stride(1), *ring_args, *pool_args,
-                                      D=D, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK=BLOCK_K,
-                                      HAS_RING=ring is not None, HAS_POOL=pool is not None, num_warps=4)
+        grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))
+        _sparse_attn_kernel[grid](q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1),
+                                  q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1),
+                                  out.stride(0), out.stride(1), out.stride(2),
+                                  kv, kv.size(1), kv.stride(0), kv.stride(1), *ring_args, *pool_args,
+                                  D=D, BLOCK=BLOCK_K, HAS_RING=ring is not None, HAS_POOL=pool is not None,
+                                  **cfg)
     return out
 
 
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                cfg: dict | None = None) -> torch.Tensor:
     """model/attention.py's `sparse_attn` in one launch: q [B,S,H,D] bf16, kv [B,N,D] bf16, sink [H] fp32,
     idx [B,S,L] int (-1 = skip) -> [B,S,H,D] bf16. Never syncs the host."""
-    return paged_sparse_attn(q, None, idx, kv, None, idx, sink, idx, scale)
+    return paged_sparse_attn(q, None, idx, kv, None, idx, sink, idx, scale, cfg)

@@ -182,6 +182,26 @@ def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
 
 
 @needs_interpreter
+def test_sparse_attention_splits_heads_over_programs():
+    """Heads in blocks of 16 over programs: each block addresses its own heads (program_id(1), not always the
+    first), a last block part padding included: under the interpreter, whose dot sums each row alike whatever
+    the block, every head's output is the one the single block of all heads gives (compiled, another MMA
+    shape may move a value within tolerance: tests/gpu)."""
+    from kernels.attention import sparse_attn
+
+    B, S, H, D, N, L = 2, 1, 40, 32, 50, 70
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, S, H, D, generator=g).bfloat16()
+    kv = torch.randn(B, N, D, generator=g).bfloat16()
+    sink = torch.randn(H, generator=g)
+    idx = torch.randint(-1, N, (B, S, L), generator=g)
+    whole = sparse_attn(q, kv, sink, idx, D ** -0.5, dict(BLOCK_H=64, num_warps=4))
+    split = sparse_attn(q, kv, sink, idx, D ** -0.5, dict(BLOCK_H=16, num_warps=4))
+    assert not whole.isnan().any() and (whole != 0).any()
+    assert torch.equal(split, whole)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("heads", [None, 4])
 def test_rope_kernel_rotates_like_the_torch_path(heads):
     """In place on the last R dims of a larger tensor, the head dim broadcast, and the inverse rotation."""

@@ -68,6 +68,34 @@ def test_compiled_sparse_attention_matches_the_torch_path(shape):
     print(f"{shape}: {(out != want).float().mean().item():.2%} of outputs differ")
 
 
+@pytest.mark.parametrize("S", [1, 33])
+def test_compiled_sparse_attention_config_keeps_the_one_block_bits(S):
+    """At the slice's widths (64 heads of 512, 640 indices), compiled: the configuration `config` picks
+    (benchmarks/bench_attention.py --sweep) gives the bits of one block of all heads on 4 warps, the kernel's
+    earlier form; blocks of 16 or 32 heads move a few values within the torch path's tolerance (another
+    MMA shape accumulates the 512-wide dot in another order)."""
+    import model.attention as attention
+    from kernels.attention import config, sparse_attn
+
+    B, H, D, N, L = 3, 64, 512, 1000, 640
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=g)
+    idx = torch.randint(-1, N, (B, S, L), device="cuda", generator=g)
+    one_block = sparse_attn(q, kv, sink, idx, D ** -0.5, dict(BLOCK_H=64, num_warps=4, num_stages=3))
+    assert config(H, D)["BLOCK_H"] == 64
+    assert torch.equal(sparse_attn(q, kv, sink, idx, D ** -0.5), one_block)
+    attention.USE_KERNELS = False
+    try:
+        want = attention.sparse_attn(q, kv, sink, idx, D ** -0.5)
+    finally:
+        attention.USE_KERNELS = True
+    for bh in (16, 32):
+        torch.testing.assert_close(sparse_attn(q, kv, sink, idx, D ** -0.5, dict(BLOCK_H=bh, num_warps=4, num_stages=2)),
+                                   want, rtol=2 ** -7, atol=2 ** -10)
+
+
 @pytest.mark.parametrize("S", [1, 150])
 def test_paged_sparse_attention_reads_ring_chunk_and_blocks_in_place(S):
     """The paged form (window ring by state slot, this chunk's latents, compressed entries through the block
