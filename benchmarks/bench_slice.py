@@ -11,8 +11,10 @@ FP4 kernels run it, kernels/fp4_moe.py).
 Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first token), after one untimed run.
 Profile (`--profile BxC`, issue #20 items 3 and 4): one eager decode step of B rows at context C and one prefill
 step of `--max-batched-tokens` tokens of one prompt from position 0, under torch.profiler: each layer's device
-time (its Engram block, attention and the rest: the hyper-connections and MoE) and the kernels with the most
-device time, with their share of the step.
+time (its Engram block, attention and the rest: the hyper-connections and MoE), the kernels with the most
+device time, with their share of the step, and the launches by the project function that made them (issue #20
+item 5). The prefill step's `--max-batched-tokens` must fit the model's length (at tiny-68m, --contexts 1100
+with --max-batched-tokens 1024).
 `max_seq_len` is raised on the loaded weights when a context needs it (no numeric effect, spec §8).
 
 Usage: python benchmarks/bench_slice.py [--model v41-slice] [--batches 1,16] [--contexts 1024]
@@ -133,7 +135,7 @@ def launch_sources(prof, kernels) -> list[dict]:
     for path in sorted((root / "kernels").glob("*.py")):
         for name in re.findall(r"^\s*def (_\w+_kernel)\(", path.read_text(), re.M):
             defined[name] = f"kernels/{path.stem} (Triton {name})"
-    found, linked = {}, 0
+    found = {}
     for e in prof.events():
         launched = getattr(e, "kernels", None)
         if e.device_type != torch.autograd.DeviceType.CPU or not launched:
@@ -144,7 +146,6 @@ def launch_sources(prof, kernels) -> list[dict]:
         c = found.setdefault(key, [0, 0.0])
         c[0] += len(launched)
         c[1] += sum(k.duration for k in launched) / 1e3
-        linked += len(launched)
     for e in kernels:  # the Triton kernels: by name
         if e.key in defined:
             c = found.setdefault(defined[e.key], [0, 0.0])

@@ -1,7 +1,10 @@
 """Hyper-connections on CUDA (spec §3; mirrors `hc_split_sinkhorn` of DeepSeek's inference/kernel.py).
 
 The mixes (pre, post and the Sinkhorn-normalised comb of every token) in one Triton kernel, and the collapse
-(hc_pre) and expand (hc_post) in one each, replacing model/hc.py's torch ops on CUDA.
+(hc_pre) and expand (hc_post) in one each, replacing model/hc.py's torch ops on CUDA. Between two sublayers
+`hc_handoff` does the expand, the next sublayer's mixes and its collapse in one launch (model/hc.py
+`handoff`): a block's hyper-connections are 3 launches where the separate kernels take 8. The sublayers'
+input RMSNorms stay their modules' own launches: the debugger taps their inputs (tracing/divergence.py).
 
 Mirrors the `hc_split_sinkhorn` kernel of DeepSeek's inference/kernel.py. The torch path (model/hc.py) is
 about 90 small ops per call (20 Sinkhorn rounds of sums and divisions on [N, 4, 4]), 24 calls per forward
@@ -34,12 +37,11 @@ if triton is not None:
         return tl.div_rn(1.0, 1.0 + _exp(-x))
 
     @triton.jit
-    def _hc_split_sinkhorn_kernel(mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, N, iters,
-                                  hc_eps, HC: tl.constexpr, BLOCK: tl.constexpr):
-        # mixes [N, (2 + HC) * HC] fp32 (already times the rsqrt statistic); pre, post [N, HC]; comb [N, HC, HC]
+    def _split_sinkhorn(mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rows, live, iters, hc_eps,
+                        HC: tl.constexpr):
+        """pre, post [rows, HC] and comb [rows, HC, HC] of the tokens `rows` (masked by `live`) from their mixes
+        [., (2 + HC) * HC] fp32 (already times the rsqrt statistic)."""
         M: tl.constexpr = (2 + HC) * HC
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-        live = rows < N
         h = tl.arange(0, HC)
         s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
 
@@ -62,6 +64,59 @@ if triton is not None:
             comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + hc_eps)
             comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
         tl.store(comb_ptr + rows[:, None, None] * (HC * HC) + jk[None], comb, mask=mask3)
+
+    @triton.jit
+    def _hc_split_sinkhorn_kernel(mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, N, iters,
+                                  hc_eps, HC: tl.constexpr, BLOCK: tl.constexpr):
+        # mixes [N, (2 + HC) * HC] fp32 (already times the rsqrt statistic); pre, post [N, HC]; comb [N, HC, HC]
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+        _split_sinkhorn(mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rows, rows < N, iters, hc_eps,
+                        HC)
+
+    @triton.jit
+    def _hc_handoff_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, scale_ptr, base_ptr, cpre_ptr,
+                           mixes_ptr, pre_ptr, next_post_ptr, next_comb_ptr, x_ptr, D, M, iters, hc_eps, mix_eps,
+                           EXPAND: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+        # One token, the hyper-connections between two sublayers (see `hc_handoff`): EXPAND, the stream
+        # [HC, D] = post·y + combᵀ·h, stored to stream_ptr (else the stream is h as it is); its mixes as
+        # _hc_mixes_kernel, then _split_sinkhorn; then its collapse with cpre, as _hc_pre_kernel.
+        row = tl.program_id(0).to(tl.int64)
+        K = HC * D
+        m = tl.arange(0, BLOCK_M)
+        j = tl.arange(0, HC)
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            f = k0 + tl.arange(0, BLOCK_K)  # flat [HC * D] index: copy c, position d
+            live = f < K
+            if EXPAND:
+                c, d = f // D, f % D
+                y = tl.load(y_ptr + row * D + d, mask=live, other=0.0).to(tl.float32)
+                post = tl.load(post_ptr + row * HC + c, mask=live, other=0.0)
+                h = tl.load(h_ptr + row * K + j[:, None] * D + d[None, :], mask=live[None, :],
+                            other=0.0).to(tl.float32)  # [HC (j), BLOCK_K]
+                comb = tl.load(comb_ptr + row * HC * HC + j[:, None] * HC + c[None, :], mask=live[None, :],
+                               other=0.0)  # comb[j, c]
+                stream = (post * y + tl.sum(comb * h, axis=0)).to(stream_ptr.dtype.element_ty)
+                tl.store(stream_ptr + row * K + f, stream, mask=live)
+                x = stream.to(tl.float32)
+            else:
+                x = tl.load(h_ptr + row * K + f, mask=live, other=0.0).to(tl.float32)
+            w = tl.load(fn_ptr + m[:, None] * K + f[None, :], mask=(m < M)[:, None] & live[None, :], other=0.0)
+            acc += tl.sum(w * x[None, :], axis=1)  # fp32 products and sums, as torch's fp32 F.linear
+            squares += x * x
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(squares, axis=0), K.to(tl.float32)) + mix_eps))
+        tl.store(mixes_ptr + row * M + m, acc * rstd, mask=m < M)
+        tl.debug_barrier()  # the mixes and the stream, written by every thread, are read by others below
+        one = row + tl.arange(0, 1)
+        _split_sinkhorn(mixes_ptr, scale_ptr, base_ptr, pre_ptr, next_post_ptr, next_comb_ptr, one, one >= 0,
+                        iters, hc_eps, HC)
+        d = tl.arange(0, BLOCK_D)
+        src = stream_ptr if EXPAND else h_ptr
+        h = tl.load(src + row * K + j[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0).to(tl.float32)
+        cpre = tl.load(cpre_ptr + row * HC + j)
+        tl.store(x_ptr + row * D + d, tl.sum(cpre[:, None] * h, axis=0).to(x_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
     def _hc_mixes_kernel(h_ptr, fn_ptr, out_ptr, K, M, norm_eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -132,6 +187,38 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
         _hc_split_sinkhorn_kernel[(triton.cdiv(n, block),)](flat, scale.contiguous(), base.contiguous(), pre, post,
                                                             comb, n, iters, hc_eps, HC=hc, BLOCK=block)
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None,
+               fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, pre: torch.Tensor, iters: int,
+               hc_eps: float, mix_eps: float):
+    """The hyper-connections between two sublayers in one launch, a program per token (model/hc.py
+    `handoff`): the expand of the sublayer before (the stream = hc_post(y, h, post, comb); with y None the
+    stream is h, as at a block's start), the mixes of the sublayer after from that stream (`hc_mixes`, then
+    `hc_split_sinkhorn`; mix_eps the statistic's eps), and that sublayer's input before its norm, the stream
+    collapsed with `pre` (`hc_pre`). -> (stream [..., hc, d], (pre, post, comb) of the next sublayer,
+    x [..., d]): the launches of hc_post, hc_mixes, hc_split_sinkhorn and hc_pre in one. The same operations
+    as the separate kernels; the sums over the copies may associate otherwise (another tile shape), so the
+    agreement with them and with the torch path is within fp32 rounding before each bf16 rounding."""
+    hc, d = h.shape[-2:]
+    M, lead = fn.size(0), h.shape[:-2]
+    h2 = h.contiguous().view(-1, hc, d)
+    n = h2.size(0)
+    expand = y is not None
+    stream = torch.empty_like(h2) if expand else h2
+    mixes = torch.empty(n, M, dtype=torch.float32, device=h.device)
+    next_pre = torch.empty(n, hc, dtype=torch.float32, device=h.device)
+    next_post, next_comb = torch.empty_like(next_pre), torch.empty(n, hc, hc, dtype=torch.float32, device=h.device)
+    x = torch.empty(n, d, dtype=h.dtype, device=h.device)
+    if n:
+        args = (y.contiguous(), post.contiguous(), comb.contiguous()) if expand else (h2, mixes, mixes)
+        _hc_handoff_kernel[(n,)](args[0], h2, args[1], args[2], stream, fn.contiguous(), scale.contiguous(),
+                                 base.contiguous(), pre.contiguous(), mixes, next_pre, next_post, next_comb, x,
+                                 d, M, iters, hc_eps, mix_eps, EXPAND=expand, HC=hc,
+                                 BLOCK_M=triton.next_power_of_2(M), BLOCK_K=512,
+                                 BLOCK_D=triton.next_power_of_2(d), num_warps=8)
+    return (stream.view(*lead, hc, d), (next_pre.view(*lead, hc), next_post.view(*lead, hc),
+                                        next_comb.view(*lead, hc, hc)), x.view(*lead, d))
 
 
 def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

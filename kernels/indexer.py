@@ -13,6 +13,12 @@ Between its projections and its top-k, and the index list after it: where a deco
   so the kernel is batch-invariant as it stands (model/invariant.py). Under 16 queries a row (decode), a
   program takes one query and puts its heads, 16 at a time, on the rows of the same dot, then adds them in
   head order: the same bits (tests/gpu), without the 15 empty query rows of a decode step's block.
+- `topk_entries`: model/attention.py's `topk_entries` under the "lower-index" tie rule, a program per query:
+  each score's int32 order key (the fp32 bits with negatives' magnitude flipped, -0.0 made +0.0, as `_top`),
+  the k-th largest key by bisection (32 counting passes over the row), then the entries above it and the
+  lowest-index ones equal to it, written in ascending index order by a running count, -1 from V(p) on:
+  the same list as the keyed top-k, sort and mask of the torch path (a set is a set), in one launch
+  instead of about a dozen. Used while a step has few queries (`applies_topk`); the choice moves no bits.
 - `attention_list`: model/attention.py's `attention_list` (with the shift of the top-k entries to their
   places after the window and this chunk, and the lengths from each row's end) in one launch of integer
   work: the same list, exactly.
@@ -91,6 +97,70 @@ if triton is not None:
         c = tl.where(c >= 0, c + offset, -1)
         listed = tl.where(j < wl, window, tl.where(j - wl < cl, c, -1))
         tl.store(out_ptr + row * (W + K) + j, listed, mask=j < W + K)
+
+    @triton.jit
+    def _order_keys(scores_ptr, e, live):
+        """int32 keys in the order of the fp32 values (of bf16 or fp32 scores); -inf where not live."""
+        x = tl.load(scores_ptr + e, mask=live, other=float("-inf")).to(tl.float32) + 0.0  # -0.0 -> +0.0
+        bits = x.to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _topk_entries_kernel(scores_ptr, vis_ptr, out_ptr, E, k, S, so_b, so_s, BLOCK: tl.constexpr):
+        q = tl.program_id(0)  # one query (row b, position s) of scores [B, S, E] with strides so_b, so_s
+        b, s = q // S, q % S
+        row = scores_ptr + b.to(tl.int64) * so_b + s * so_s
+        offs = tl.arange(0, BLOCK)
+        lo, hi = tl.full([], -2147483648, tl.int64), tl.full([], 2147483647, tl.int64)
+        for _ in range(32):  # the largest t with count(key >= t) >= k: the k-th largest key
+            mid = lo + (hi - lo + 1) // 2
+            count = tl.zeros([], tl.int64)
+            for e0 in range(0, E, BLOCK):
+                e = e0 + offs
+                live = e < E
+                count += tl.sum((live & (_order_keys(row, e, live).to(tl.int64) >= mid)).to(tl.int64), axis=0)
+            lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
+        above = tl.zeros([], tl.int64)
+        for e0 in range(0, E, BLOCK):
+            e = e0 + offs
+            live = e < E
+            above += tl.sum((live & (_order_keys(row, e, live).to(tl.int64) > lo)).to(tl.int64), axis=0)
+        ties, written = k - above, tl.zeros([], tl.int64)  # the lowest-index `ties` entries equal to the k-th
+        visible = tl.load(vis_ptr + q).to(tl.int64)
+        seen_equal = tl.zeros([], tl.int64)
+        for e0 in range(0, E, BLOCK):
+            e = e0 + offs
+            live = e < E
+            key = _order_keys(row, e, live).to(tl.int64)
+            equal = (live & (key == lo)).to(tl.int64)
+            rank = seen_equal + tl.cumsum(equal, axis=0) - equal  # equal entries before this one
+            keep = (live & (key > lo)) | ((equal != 0) & (rank < ties))
+            at = written + tl.cumsum(keep.to(tl.int64), axis=0) - keep.to(tl.int64)
+            tl.store(out_ptr + q.to(tl.int64) * k + at, tl.where(e.to(tl.int64) < visible, e.to(tl.int64), -1),
+                     mask=keep)
+            written += tl.sum(keep.to(tl.int64), axis=0)
+            seen_equal += tl.sum(equal, axis=0)
+
+TOPK_KERNEL_ROWS = 1024  # queries a step up to which topk_entries runs as the kernel (a speed choice: same list)
+
+
+def applies_topk(scores: torch.Tensor) -> bool:
+    """CUDA, a step of at most TOPK_KERNEL_ROWS queries (decode, short chunks): 33 passes over each row beat the
+    keyed top-k and sort there; a long prefill's rows are many enough for torch's."""
+    return triton is not None and scores.is_cuda and scores.numel() // max(scores.size(-1), 1) <= TOPK_KERNEL_ROWS
+
+
+def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int, block: int = 4096) -> torch.Tensor:
+    """scores [B,S,E] (bf16 or fp32, -inf where masked), visible [B,S] -> the top-k entry ids [B,S,k] int64 in
+    ascending order, -1 where j >= V(p), equal scores going to the lower index: model/attention.py
+    `topk_entries` with the "lower-index" rule, the same list. 0 < k <= E; `block`: entries a pass step (tests)."""
+    B, S, E = scores.shape
+    out = torch.empty(B, S, k, dtype=torch.long, device=scores.device)
+    if B * S:
+        scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+        _topk_entries_kernel[(B * S,)](scores, visible.contiguous(), out, E, k, S, scores.stride(0), scores.stride(1),
+                                       BLOCK=min(block, triton.next_power_of_2(E)))
+    return out
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

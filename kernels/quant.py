@@ -62,12 +62,9 @@ if triton is not None:
         return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _quant_kernel(x_ptr, out_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr):
-        g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS] group ids
-        offs = g.to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [GROUPS, BLOCK]
-        live = (g < n_groups)[:, None]
-        x = tl.load(x_ptr + offs, mask=live, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)[:, None]  # [GROUPS, 1]
+    def _quantise(x, FMT: tl.constexpr):
+        """fp32 groups x [G, block] -> their quantised values in fp32 (format FMT), each row one group."""
+        amax = tl.max(tl.abs(x), axis=1)[:, None]  # [G, 1]
         if FMT == 0:  # FP8 e4m3, ue8m0 scale: s = pow2ceil(max(amax, 1e-4) * fp32(1/448))
             scale = _pow2ceil(tl.maximum(amax, 1e-4) * 0.0022321429569274187)
             v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
@@ -79,7 +76,15 @@ if triton is not None:
                 scale = _e4m3_magnitude(tl.minimum(tl.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0))
             v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -6.0), 6.0)
             y = _with_sign_of(_e2m1_magnitude(tl.abs(v)), v) * scale
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=live)
+        return y
+
+    @triton.jit
+    def _quant_kernel(x_ptr, out_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+        g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS] group ids
+        offs = g.to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [GROUPS, BLOCK]
+        live = (g < n_groups)[:, None]
+        x = tl.load(x_ptr + offs, mask=live, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, _quantise(x, FMT).to(out_ptr.dtype.element_ty), mask=live)
 
 
 def _launch(x: torch.Tensor, block: int, fmt: int) -> torch.Tensor:

@@ -11,21 +11,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import attention as attention_kernel, indexer as indexer_kernel, norm as norm_kernel, \
-    quant as quant_kernel, rope as rope_kernel
+from kernels import attention as attention_kernel, indexer as indexer_kernel, latent as latent_kernel, \
+    norm as norm_kernel, quant as quant_kernel, rope as rope_kernel
 from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.config import ModelArgs
-from model.quant import act_quant_fp4, act_quant_fp8
+from model import quant as model_quant
 from model.rope import apply_rope
 
 SPARSE_ATTN_BLOCK = 64  # the kernel's online softmax walks the index list in blocks of 64 (spec §2.8)
 # CUDA: the Triton kernels of kernels/ (quantisation sims bit for bit; RMSNorm, RoPE and sparse attention
 # within fp32 rounding). False keeps the torch ops everywhere (the benchmarks' "before"). CPU always uses torch.
 USE_KERNELS = True
+# CUDA, issue #20 item 5: the fused launches (kernels/hc.py handoff, engram.py, latent.py, paged.py and the decode
+# top-k of indexer.py). Off until they have run compiled (tests/gpu) and the H200 example trace is re-recorded
+# with them: they move CUDA bits, so the committed trace would no longer re-execute to identical tokens there.
+FUSED_LAUNCHES = False
 
 
 def use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and USE_KERNELS
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    return use_kernels(x) and FUSED_LAUNCHES
 
 
 def use_attention_kernel(q: torch.Tensor) -> bool:
@@ -40,14 +48,17 @@ def rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.T
     return apply_rope(x, freqs, inverse)
 
 
-def quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Spec §2.5a FP8 sim: model/quant.py on CPU, the same bits from one Triton launch on CUDA."""
-    return (quant_kernel.act_quant_fp8 if use_kernels(x) else act_quant_fp8)(x, block)
-
-
-def quant_fp4(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
-    """Spec §2.5b/c FP4 sim: model/quant.py on CPU, the same bits from one Triton launch on CUDA."""
-    return (quant_kernel.act_quant_fp4 if use_kernels(x) else act_quant_fp4)(x, block, scale_fmt)
+def norm_rope_quant(x: torch.Tensor, norm: "RMSNorm | None", freqs: torch.Tensor, rope_dim: int, quant: str,
+                    block: int) -> torch.Tensor:
+    """A new tensor: x normed (norm None: not), its last rope_dim values rotated (spec §2.2), then the FP8
+    (quant "fp8") or FP4 (scale format "ue8m0" or "e4m3") sim per `block` values; x is left as it is.
+    With the fused launches on (FUSED_LAUNCHES, CUDA): one launch (kernels/latent.py); else the ops in turn."""
+    if use_fused(x) and latent_kernel.applies(x, rope_dim, block):
+        return latent_kernel.norm_rope_quant(x, norm, freqs, rope_dim, quant, block)
+    x = x.clone() if norm is None else norm(x)
+    rope(x[..., -rope_dim:], freqs)
+    quantise = quant_kernel if use_kernels(x) else model_quant  # CUDA: the same bits in one launch
+    return quantise.act_quant_fp8(x, block) if quant == "fp8" else quantise.act_quant_fp4(x, block, quant)
 
 
 class Linear(nn.Module):
@@ -123,15 +134,12 @@ class Indexer(nn.Module):
 
     def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Index keys of new entries: latent bf16 [B,E,D] (pre-RoPE), freqs at positions j·r -> [B,E,Di]."""
-        k = self.k_norm(self.wk(latent))
-        rope(k[..., -self.rope_dim:], freqs)
-        return quant_fp4(k, 32, "ue8m0")
+        return norm_rope_quant(self.wk(latent), self.k_norm, freqs, self.rope_dim, "ue8m0", 32)
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor):
         """-> (q [B,S,Hi,Di] FP4-sim bf16, head weights [B,S,Hi] bf16)."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        rope(q[..., -self.rope_dim:], freqs)
-        q = quant_fp4(q, 32, "ue8m0")
+        q = norm_rope_quant(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), None, freqs, self.rope_dim,
+                            "ue8m0", 32)
         return q, self.weights_proj(x) * self.weight_scale
 
 
@@ -184,7 +192,10 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_block
 
 def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int, tie_rule: str = "lower-index") -> torch.Tensor:
     """Top-k entry ids [B,S,k] int64 sorted ascending by position, -1 where j >= V(p) (spec §2.7).
-    k = min(index_topk, entries); the -1 padding lands at the end of each list."""
+    k = min(index_topk, entries); the -1 padding lands at the end of each list. With the fused
+    launches on (FUSED_LAUNCHES, CUDA), few queries: one launch (kernels/indexer.py), the same list."""
+    if tie_rule == "lower-index" and use_fused(scores) and indexer_kernel.applies_topk(scores):
+        return indexer_kernel.topk_entries(scores, visible, k)
     idx = _top(scores, k, tie_rule, sorted=False).sort(dim=-1).values
     return torch.where(idx < visible.unsqueeze(-1), idx, -1)
 
@@ -218,9 +229,7 @@ class Attention(nn.Module):
 
     def window_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """The window latent [B,S,D]: kv_norm(x·wkvᵀ), RoPE, then FP8-sim over the whole vector."""
-        kv = self.kv_norm(self.wkv(x))
-        rope(kv[..., -self.rope_dim:], freqs)
-        return quant_fp8(kv, 32)
+        return norm_rope_quant(self.wkv(x), self.kv_norm, freqs, self.rope_dim, "fp8", 32)
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped low-rank wo_a (block-diagonal, spec §2.9), then wo_b. [B,S,H,D] -> [B,S,d]."""
@@ -232,9 +241,7 @@ class Attention(nn.Module):
 
 def compressed_kv(latent: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """Compressed entries as stored (spec §2.6): RoPE at j·r on a copy of the latent, then FP4 (e4m3/16)."""
-    c = latent.clone()
-    rope(c[..., -rope_dim:], freqs)
-    return quant_fp4(c, 16, "e4m3")
+    return norm_rope_quant(latent, None, freqs, rope_dim, "e4m3", 16)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:

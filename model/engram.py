@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import engram as engram_kernel
 from model import invariant  # batch-invariant mode hooks (issue #11)
+from model.attention import use_fused
 from model.config import ConfigError, ModelArgs, engram_primes
 from model.parallel import Shard, engram_lookup
 from model.quant import dequantize_fp8_e8m0
@@ -112,7 +114,10 @@ def hash_ids(layout: EngramLayout, comp_ids: torch.Tensor, history: torch.Tensor
     """Row ids [B, S, n_engram_layers, n_hash_cols] of a chunk (spec §4.2 steps 4-5).
 
     comp_ids [B, S]: compressed ids of the chunk's tokens. history [B, max_ngram - 1]: compressed ids of
-    the positions just before the chunk, most recent last, the pad's where the sequence has none."""
+    the positions just before the chunk, most recent last, the pad's where the sequence has none.
+    With the fused launches on (model/attention.py FUSED_LAUNCHES, CUDA): one launch, the same ids."""
+    if use_fused(comp_ids) and engram_kernel.applies(comp_ids):
+        return engram_kernel.hash_ids(layout, comp_ids, history)
     k, seq_len = layout.max_ngram_size - 1, comp_ids.shape[1]
     window = torch.cat([history, comp_ids], dim=1).long()  # [B, k + S]: positions s-k .. s+S-1
     back = torch.stack([window[:, k - s:k - s + seq_len] for s in range(k + 1)], dim=-1)  # [B, S, k+1]: t_0..t_k
@@ -183,6 +188,8 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """x [..., hc, dim] bf16, row_ids [..., n_hash_cols] -> [..., hc, dim] bf16."""
+        if use_fused(x) and engram_kernel.applies(x, self):  # CUDA: the lookup and the gate a launch each
+            return engram_kernel.engram(self, x, row_ids, GATE_CLAMP)
         rows = self.embed(row_ids).to(self.q_weight.dtype).flatten(-2)  # bf16 rows are exact in fp32
         kv = self.wkv(rows)  # [..., (hc+1)·dim]; a released checkpoint swaps in its FP8 linear here
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)

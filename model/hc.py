@@ -9,8 +9,9 @@ import torch
 
 from kernels import hc as hc_kernel
 from model import invariant  # batch-invariant mode hooks (issue #11)
+from model.attention import use_fused
 
-USE_KERNEL = True  # CUDA: kernels/hc.py's fused mixes, collapse and expand; False keeps the torch ops
+USE_KERNEL = True  # CUDA: kernels/hc.py's mixes, collapse, expand (and handoff); False keeps the torch ops
 
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -49,6 +50,20 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
         return hc_kernel.hc_post(y, h, post, comb)
     out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * h.unsqueeze(-2)).sum(-3)
     return out.to(y.dtype)
+
+
+def handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None,
+            fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, hc_eps: float,
+            norm_eps: float, pre: torch.Tensor):
+    """From one sublayer to the next (spec §3): the expand of y into the stream (y None: the stream is h, as at
+    a block's start), the next sublayer's mixes from that stream, and its input before the norm, hc_pre(stream,
+    pre). -> (stream, (pre, post, comb) of the next sublayer, that input). With the fused
+    launches on (model/attention.py FUSED_LAUNCHES, CUDA): one launch (kernels/hc.py hc_handoff)."""
+    if h.is_cuda and USE_KERNEL and use_fused(h):
+        return hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, iters, hc_eps, norm_eps)
+    if y is not None:
+        h = hc_post(y, h, post, comb)
+    return h, hc_mixes(h, fn, scale, base, hc, iters, hc_eps, norm_eps), hc_pre(h, pre)
 
 
 def identity_pre_mix(h: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import indexer as indexer_kernel
+from kernels import indexer as indexer_kernel, paged as paged_kernel
 from kernels.attention import paged_sparse_attn
 from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, use_attention_kernel, \
-    use_kernels, window_index
+    use_fused, use_kernels, window_index
 from model import invariant  # batch-invariant mode (issue #11)
 from model.config import BLOCK_SIZE, cdiv
 from model.engram import engram_history, hash_ids, start_history
@@ -170,9 +170,7 @@ class PagedModel:
         capture(layer, "window_kv", kv)
         # window keys: positions < s from the slot's ring (index p % W), the rest from this chunk (W + p - s)
         if "window" not in cache:
-            pos = window_index(step.positions, W, invariant.window_decode_order(b.decode))
-            start = b.start[:, None, None]
-            cache["window"] = torch.where(pos < 0, -1, torch.where(pos >= start, W + pos - start, pos % W))
+            cache["window"], cache["ring_at"] = self.window_addresses(step)
         idx, ckv_pool = cache["window"], None
         if r:
             n_entries, kv_source = b.context_len // r, args.kv_source_of(layer)
@@ -217,15 +215,25 @@ class PagedModel:
             sources.append(self.stream(ckv_pool, b.block_tables, b.context_len // attn.ratio))
         return sparse_attn(q, torch.cat(sources, dim=1), attn.attn_sink, idx, attn.softmax_scale)
 
+    def window_addresses(self, step: _Step) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The same for every layer of a forward (computed once, in attend's cache): each query's window list
+        [B, S, W], positions < s from the slot's ring (index p % W) and the rest from this chunk (W + p - s),
+        -1 for none; and where each position's latent goes in its ring: (state slot, or the trash slot for a
+        position that is padding or not among the row's last W, p % W). The fused launches on
+    (model/attention.py FUSED_LAUNCHES, CUDA): one launch (kernels/paged.py)."""
+        b, W = step.batch, self.args.window_size
+        decode_order = invariant.window_decode_order(b.decode)
+        if use_fused(step.positions) and W & (W - 1) == 0:
+            return paged_kernel.window_addresses(b, W, decode_order, self.trash_slot)
+        pos = window_index(step.positions, W, decode_order)
+        start = b.start[:, None, None]
+        window = torch.where(pos < 0, -1, torch.where(pos >= start, W + pos - start, pos % W))
+        keep = step.valid & (step.positions >= step.end[:, None] - W)
+        return window, (torch.where(keep, b.state_slots[:, None], self.trash_slot), step.positions % W)
+
     def write_ring(self, layer: int, kv: torch.Tensor, step: _Step, cache: dict) -> None:
-        """Each row's last min(n, W) window latents go to their ring positions p % W (the addresses are the
-        same for every layer of a forward: computed once, in `cache`)."""
-        if "ring_at" not in cache:
-            keep = step.valid & (step.positions >= step.end[:, None] - self.args.window_size)
-            cache["ring_at"] = (torch.where(keep, step.batch.state_slots[:, None], self.trash_slot),
-                                step.positions % self.args.window_size)
-        slots, at = cache["ring_at"]
-        self.ring[layer, slots, at] = kv
+        """Each row's last min(n, W) window latents go to their ring positions p % W (`window_addresses`)."""
+        self.ring[layer][cache["ring_at"]] = kv
 
     @staticmethod
     def stream(pool: torch.Tensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:
@@ -265,6 +273,9 @@ class PagedModel:
         where the open group's members wait (`tail_slots`, `tail_at`), the RoPE of each position's entry
         (`freqs`), and where a closing position's entry goes (`blocks`, `entry`; others to the trash block)."""
         b, pos = step.batch, step.positions
+        if use_fused(pos):  # CUDA: the lines below in one launch (kernels/paged.py), the same tensors
+            return paged_kernel.compress_addresses(b, self.weights.rope(r, device), r, per_block, self.trash_block,
+                                                   self.trash_slot)
         closes = step.valid & ((pos + 1) % r == 0)
         j = pos // r  # the entry a closing token completes; it sits at position j·r
         blocks = b.block_tables.gather(1, (j // per_block).clamp(max=b.block_tables.size(1) - 1))

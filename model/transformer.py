@@ -14,7 +14,7 @@ from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.attention import Attention, RMSNorm
 from model.config import ConfigError, ModelArgs
 from model.engram import Engram, EngramLayout, compressed_token_map
-from model.hc import hc_mixes, hc_post, hc_pre
+from model.hc import handoff, hc_post, hc_pre
 from model.moe import MoE
 from model.parallel import Shard
 from model.rope import rope_table
@@ -42,20 +42,22 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def mixes(self, h: torch.Tensor, which: str):
-        """(pre, post, comb) of the attn or ffn sublayer from the stream h [..., hc, d]."""
+    def handoff(self, y: torch.Tensor | None, h: torch.Tensor, post, comb, which: str, pre: torch.Tensor):
+        """Into the attn or ffn sublayer (model/hc.py handoff): the stream after y's expand (y None: h), that
+        sublayer's (pre, post, comb) from it, and its input: the stream collapsed with `pre`, then its norm."""
         a = self.args
-        return hc_mixes(h, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
-                        getattr(self, f"hc_{which}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        h, mixes, x = handoff(y, h, post, comb, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
+                              getattr(self, f"hc_{which}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
+                              a.norm_eps, pre)
+        return h, mixes, getattr(self, f"{which}_norm")(x)
 
     def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
         """V4.1 block order with the delayed pre-mix (spec §3): attention input collapsed with the
         previous block's f_pre, the FFN input with this block's a_pre. `attend(x) -> y` runs the
         attention sublayer on x bf16 [B,S,d]; the caller supplies it with its own KV state."""
-        a_pre, a_post, a_comb = self.mixes(h, "attn")
-        h = hc_post(attend(self.attn_norm(hc_pre(h, pre_mix))), h, a_post, a_comb)
-        f_pre, f_post, f_comb = self.mixes(h, "ffn")
-        h = hc_post(self.ffn(self.ffn_norm(hc_pre(h, a_pre))), h, f_post, f_comb)
+        h, (a_pre, a_post, a_comb), x = self.handoff(None, h, None, None, "attn", pre_mix)
+        h, (f_pre, f_post, f_comb), x = self.handoff(attend(x), h, a_post, a_comb, "ffn", a_pre)
+        h = hc_post(self.ffn(x), h, f_post, f_comb)
         return h, f_pre
 
 

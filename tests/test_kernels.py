@@ -143,6 +143,30 @@ def test_hc_collapse_and_expand_kernels_match_the_torch_path(d):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("expand", [True, False])
+@pytest.mark.parametrize("d", [128, 80])  # 128: tiny-68m (one 512-wide tile of the stream); 80: no power of two
+def test_hc_handoff_kernel_matches_the_torch_path(expand, d):
+    """The fused handoff (expand, mixes, Sinkhorn, collapse) against model/hc.py's torch ops in turn, on tokens
+    of 3 x 5 rows: the stream within a bf16 ulp (the interpreter's bf16 cast truncates; tests/gpu checks the
+    compiled rounding), the mixes and the collapse from the kernel's own stream within fp32 rounding (the
+    collapse then within the truncation of its rounding)."""
+    g = torch.Generator().manual_seed(d + expand)
+    h, fn, scale, base = hc_inputs(15, d=d, seed=d)
+    h = h.view(3, 5, 4, d)
+    y = torch.randn(3, 5, d, generator=g).bfloat16() if expand else None
+    post, comb = (torch.rand(3, 5, 4, generator=g), torch.rand(3, 5, 4, 4, generator=g)) if expand else (None, None)
+    pre = torch.rand(3, 5, 4, generator=g)
+    got_stream, got_mixes, got_x = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20)
+    want = hc.hc_post(y, h, post, comb) if expand else h
+    torch.testing.assert_close(got_stream.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    for name, a, b in zip(("pre", "post", "comb"), hc.hc_mixes(got_stream, fn, scale, base, 4, 20, 1e-6, 1e-20),
+                          got_mixes):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+    torch.testing.assert_close(got_x.float(), hc.hc_pre(got_stream, pre).float(), rtol=2 ** -7, atol=1e-5)
+    assert not expand or not torch.equal(got_x, hc.hc_pre(h, pre))  # the expanded stream is the one collapsed
+
+
+@needs_interpreter
 def test_swiglu_route_kernel_matches_the_grouped_torch_path(moe):
     """Within a bf16 ulp (the interpreter's bf16 cast truncates; tests/gpu checks the compiled kernel)."""
     from kernels.moe import swiglu_route
@@ -316,3 +340,152 @@ def test_index_scores_kernel_gives_the_scores_of_the_torch_path():
         visible = torch.randint(0, E + 1, (B, S), generator=g)
         want = attention.index_scores(q, w, keys, visible)
         assert torch.equal(kernel_scores(q, w, keys, visible), want), S
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", ["tiny-68m", "micro"])
+def test_engram_hash_kernel_gives_the_torch_ids(name):
+    """kernels/engram.py's hashes against model/engram.py's torch path: the same int64 ids, for chunks with
+    and without history (the look-back crossing into it), the largest compressed id and id 0 included."""
+    from kernels import engram as engram_kernel
+    from model.engram import EngramLayout, compressed_token_map, hash_ids, start_history
+    from tests.test_engram import random_ids
+
+    args = preset(name)
+    layout, token_map = EngramLayout.from_args(args), compressed_token_map(args)
+    comp = token_map[random_ids(args, 3, 11, seed=5)]
+    for history in (start_history(args, token_map, 3), comp[:, :3].flip(1)):
+        got = engram_kernel.hash_ids(layout, comp, history)
+        assert torch.equal(got, hash_ids(layout, comp, history))
+
+
+@needs_interpreter
+def test_engram_lookup_and_gate_kernels_match_the_torch_path():
+    """The lookup gives the torch path's bits (an exact dequantisation); the gate and its mix within a bf16
+    ulp of model/engram.py's fp32 ops (another order of the sums over dim, then one rounding)."""
+    from kernels import engram as engram_kernel
+    from model.engram import GATE_CLAMP, EngramLayout, compressed_token_map, hash_ids, start_history
+    from tests.test_engram import random_engram, random_ids
+
+    args = preset("micro")
+    module = random_engram(args, 4, seed=3)
+    layout, token_map = EngramLayout.from_args(args), compressed_token_map(args)
+    row_ids = hash_ids(layout, token_map[random_ids(args, 2, 9, seed=6)], start_history(args, token_map, 2))
+    row_ids = row_ids[:, :, module.layer_index]
+    with torch.inference_mode():
+        rows = engram_kernel.lookup(row_ids, module.embed.weight, module.embed.scale)
+        assert torch.equal(rows, module.embed.lookup(row_ids))
+        x = torch.randn(2, 9, args.hc_mult, args.dim, generator=torch.Generator().manual_seed(8)).bfloat16()
+        kv = module.wkv(rows.flatten(-2))
+        got = engram_kernel.gate(x, kv, module.q_weight, module.k_weight, module.eps, GATE_CLAMP)
+        want = module(x, row_ids)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=1e-6)
+    assert not torch.equal(got, x)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("E, k, block", [(300, 64, 4096), (300, 64, 128), (50, 50, 64), (37, 5, 16)])
+def test_topk_entries_kernel_gives_the_torch_list(dtype, E, k, block):
+    """kernels/indexer.py's top-k against model/attention.py's keyed top-k, sort and mask: the same list, with
+    ties at the k-th score (bf16 scores of few values), -0.0 beside +0.0, -inf (masked and invisible entries)
+    inside the top k, rows where fewer than k entries are visible, and rows over several passes (block < E)."""
+    from kernels import indexer as indexer_kernel
+    from model.attention import topk_entries
+
+    g = torch.Generator().manual_seed(E + k + block)
+    B, S = 3, 4
+    scores = (torch.randint(-4, 5, (B, S, E), generator=g) * 0.5).to(dtype)
+    scores[0, 0] = torch.randn(E, generator=g).to(dtype)  # no ties
+    scores[0, 1, ::3] = -0.0
+    visible = torch.randint(0, E + 1, (B, S), generator=g)
+    visible[1, 2] = 0
+    visible[2, 3] = E
+    scores = scores.masked_fill(torch.arange(E) >= visible.unsqueeze(-1), -torch.inf)
+    scores[2, 0, :E // 2] = -torch.inf  # masked by candidates inside the visible entries
+    got = indexer_kernel.topk_entries(scores, visible, k, block)
+    assert torch.equal(got, topk_entries(scores, visible, k))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", ["window_kv", "index_keys", "index_queries", "compressed_kv"])
+def test_norm_rope_quant_kernel_matches_the_torch_chain(case):
+    """kernels/latent.py against model/attention.py's torch ops in turn (norm, RoPE in place, quantisation)
+    for each of its four uses: the same values but where the interpreter's truncating bf16 cast moves a value
+    to a neighbouring grid point (at most one quantisation step of its group)."""
+    from kernels import latent as latent_kernel
+    from model import attention
+    from model.rope import rope_table
+
+    args = preset("micro")
+    g = torch.Generator().manual_seed(11)
+    heads = 4 if case == "index_queries" else None
+    D = args.index_head_dim if case in ("index_keys", "index_queries") else args.head_dim
+    x = torch.randn(2, 6, *([heads] if heads else []), D, generator=g).bfloat16() * 3
+    freqs = rope_table(args, 2)[torch.randint(0, 1000, (2, 6), generator=g)]
+    norm = None
+    if case in ("window_kv", "index_keys"):
+        norm = attention.RMSNorm(D, args.norm_eps)
+        norm.weight.data = torch.randn(D, generator=g).bfloat16()
+    quant, block = {"window_kv": ("fp8", 32), "compressed_kv": ("e4m3", 16)}.get(case, ("ue8m0", 32))
+    before = x.clone()
+    want = attention.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block)  # CPU: the torch ops
+    got = latent_kernel.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block)
+    assert torch.equal(x, before) and got.shape == want.shape and got.dtype == want.dtype
+    step = want.float().unflatten(-1, (-1, block)).abs().amax(-1, keepdim=True) / (2 if quant != "fp8" else 8)
+    assert ((got.float() - want.float()).unflatten(-1, (-1, block)).abs() <= step).all()
+    assert (got == want).float().mean() > 0.9
+
+
+@needs_interpreter
+@pytest.mark.parametrize("ratio", [1, 2, 3])  # 3: a ratio that is no power of two
+def test_compress_addresses_kernel_gives_the_torch_tensors(ratio):
+    """kernels/paged.py against model/paged.py's torch `compress_addresses`: the same tensors, exactly, on a
+    step mixing a prefill from 0, a later chunk starting mid-group, decode rows and a padded row."""
+    from kernels import paged as paged_kernel
+    from model.paged import ForwardBatch, PagedModel, _Step
+
+    args = preset("micro")
+    with torch.device("meta"):
+        weights = Transformer(args)
+    model = PagedModel.__new__(PagedModel)
+    model.weights, model.args, model.trash_block, model.trash_slot = weights, args, 40, 9
+    start, num = torch.tensor([0, 37, 130, 5]), torch.tensor([7, 6, 1, 1])
+    S = 7
+    tables = torch.randperm(40, generator=torch.Generator().manual_seed(ratio))[:4 * 5].view(4, 5)
+    batch = ForwardBatch(torch.zeros(4, S, dtype=torch.long), start, num, tables, torch.tensor([3, 0, 8, 2]), 160, False)
+    arange = torch.arange(S)
+    step = _Step(batch, start[:, None] + arange, arange < num[:, None], start + num, torch.arange(4)[:, None])
+    per_block = 128 // ratio
+    want = model.compress_addresses(ratio, step, per_block, "cpu")
+    got = paged_kernel.compress_addresses(batch, weights.rope(ratio, "cpu"), ratio, per_block, 40, 9)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@needs_interpreter
+@pytest.mark.parametrize("decode", [False, True])
+def test_window_addresses_kernel_gives_the_torch_tensors(decode):
+    """kernels/paged.py's window list and ring addresses against model/paged.py's torch path: the same tensors,
+    in the prefill order (a chunk from 0, one mid-sequence, a padded row) and the decode order."""
+    from kernels import paged as paged_kernel
+    from model.paged import ForwardBatch, PagedModel, _Step
+
+    args = preset("micro")
+    model = PagedModel.__new__(PagedModel)
+    model.args, model.trash_slot = args, 9
+    if decode:
+        start, num, S = torch.tensor([5, 31, 32, 200]), torch.tensor([1, 1, 1, 1]), 1
+    else:
+        start, num, S = torch.tensor([0, 37, 3, 100]), torch.tensor([40, 6, 1, 40]), 40
+    slots = torch.tensor([3, 0, 8, 2])
+    batch = ForwardBatch(torch.zeros(4, S, dtype=torch.long), start, num, torch.zeros(4, 2, dtype=torch.long), slots,
+                         300, decode)
+    arange = torch.arange(S)
+    step = _Step(batch, start[:, None] + arange, arange < num[:, None], start + num, torch.arange(4)[:, None])
+    window, ring_at = model.window_addresses(step)
+    got_window, got_ring = paged_kernel.window_addresses(batch, args.window_size, decode, 9)
+    assert torch.equal(got_window, window)
+    assert torch.equal(got_ring[0], ring_at[0]) and torch.equal(got_ring[1], ring_at[1])
+    assert (window == -1).any() and (window >= args.window_size).any() and (decode or (ring_at[0] == 9).any())

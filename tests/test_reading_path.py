@@ -1,6 +1,6 @@
 """benchmarks/reading_path.py: the reading path is measured in code lines (no blanks, comments or docstrings),
 every module of engine/, model/ and kernels/ is placed on it or off it with a reason, and it stays within the
-budget of about 2,000 code lines (issue #18)."""
+budget of about 2,000 code lines (issue #18; at most reading_path.CEILING)."""
 import sys
 
 from conftest import ROOT
@@ -21,4 +21,4 @@ def test_every_module_is_placed_and_the_path_is_within_budget(capsys):
     assert not set(reading_path.ON_PATH) & set(reading_path.OFF_PATH)
     assert reading_path.main() == 0
     total = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("total"))
-    assert int(total.split()[1]) <= reading_path.BUDGET
+    assert int(total.split()[1]) <= reading_path.CEILING

@@ -87,3 +87,41 @@ def test_a_cuda_run_re_executes_to_identical_tokens(ckpt, tmp_path):
     llm.engine.shutdown()
     result = check_tokens(open_trace(path), device="cuda")
     assert result.same_platform and result.mismatch is None and result.tokens >= 100, result
+
+
+# tiny-68m, 64 rows, eager, the fused launches on: the most a decode step may launch (issue #20 item 5). An H200
+# run passed at 700 while the sublayer norms were fused too; they are 24 launches again (2 a layer, 12 layers).
+KERNELS_PER_DECODE_STEP = 724
+
+
+def test_a_tiny_decode_step_launches_at_most_its_budget_of_kernels(monkeypatch):
+    """Issue #20 item 5: the fused launches (model/attention.py FUSED_LAUNCHES: kernels/hc.py handoff,
+    kernels/engram.py, kernels/latent.py, kernels/paged.py, the decode top-k of kernels/indexer.py) keep a
+    tiny-68m decode step of 64 rows under KERNELS_PER_DECODE_STEP launches, counted by torch.profiler over
+    one eager step (a CUDA graph replays the same kernels); a fast path that stops applying shows here."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.llm_engine import LLMEngine
+    from engine.scheduler import SchedulerConfig
+    from engine.sequence import SamplingParams
+    import model.attention as attention
+    from model.load import load_model
+
+    monkeypatch.setattr(attention, "FUSED_LAUNCHES", True)
+    weights, _ = load_model("tiny-68m", "cuda")
+    engine = LLMEngine(weights, SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, num_kv_blocks=256,
+                                                num_state_slots=64), enable_zos=False)
+    engine.runner.use_cuda_graphs = False
+    for i in range(64):
+        engine.add_request([3 + (i * 7 + j) % 1000 for j in range(300)],
+                           SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True))
+    for _ in range(10):  # the prefill steps (3), then decode steps of all 64 rows
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    launched = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    engine.shutdown()
+    print(f"a decode step of 64 rows: {launched} kernels")
+    assert 0 < launched <= KERNELS_PER_DECODE_STEP

@@ -21,6 +21,14 @@ from model.transformer import Transformer  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture
+def fused(monkeypatch):
+    """The fused launches of issue #20 item 5 on (model/attention.py FUSED_LAUNCHES, off by default)."""
+    import model.attention as attention
+
+    monkeypatch.setattr(attention, "FUSED_LAUNCHES", True)
+
+
 @pytest.mark.parametrize("n", [1, 64, 1000])
 def test_compiled_hc_sinkhorn_matches_the_torch_path(n):
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -40,32 +48,39 @@ def test_compiled_hc_sinkhorn_matches_the_torch_path(n):
         print(f"{name}: {(a != b).float().mean().item():.2%} of values differ, max {(a - b).abs().max().item():.3g}")
 
 
-@pytest.mark.parametrize("shape", [(64, 1, 4, 128, 700, 192), (2, 300, 4, 128, 500, 192), (3, 5, 2, 64, 90, 130)])
-def test_compiled_sparse_attention_matches_the_torch_path(shape):
-    """Within fp32 rounding before the bf16 output, on rows with no index (0), on -1 padding anywhere in
-    the list, and on lists that are not a multiple of 64 long. A probability an fp32 ulp either side of a
-    bf16 rounding boundary moves P·V by a bf16 ulp of p (the absolute tolerance)."""
-    import model.attention as attention
-    from kernels.attention import sparse_attn
+@pytest.mark.parametrize("n, d", [(64, 128), (1000, 128), (64, 5120)])
+@pytest.mark.parametrize("expand", [True, False])
+def test_compiled_hc_handoff_matches_the_separate_kernels_and_the_torch_path(n, d, expand):
+    """The fused handoff (kernels/hc.py) against the four launches it replaces and against model/hc.py's torch
+    ops: the stream and the collapse within a bf16 ulp; the mixes from the same stream within fp32 rounding
+    (those of the kernels' own stream, so that a stream value an ulp apart does not count twice)."""
+    from kernels import hc as hc_kernel
 
-    B, S, H, D, N, L = shape
-    g = torch.Generator(device="cuda").manual_seed(B * S)
-    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
-    kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
-    sink = torch.randn(H, device="cuda", generator=g)
-    idx = torch.randint(-1, N, (B, S, L), device="cuda", generator=g)
-    idx[0, 0] = -1
-    idx[-1, -1, L // 2:] = -1
-    out = torch.full((B, S, H, D), float("nan"), device="cuda").bfloat16()
-    out.copy_(sparse_attn(q, kv, sink, idx, D ** -0.5))
-    attention.USE_KERNELS = False
+    g = torch.Generator(device="cuda").manual_seed(n + d + expand)
+    h = torch.randn(n, 4, d, device="cuda", generator=g).bfloat16()
+    y = torch.randn(n, d, device="cuda", generator=g).bfloat16() if expand else None
+    post = torch.rand(n, 4, device="cuda", generator=g) * 2 if expand else None
+    comb = torch.rand(n, 4, 4, device="cuda", generator=g) if expand else None
+    fn = torch.randn(24, 4 * d, device="cuda", generator=g) * 0.05
+    scale, base = torch.randn(3, device="cuda", generator=g), torch.randn(24, device="cuda", generator=g)
+    pre = torch.rand(n, 4, device="cuda", generator=g)
+    stream, mixes, x = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20)
+    kernels = (hc_kernel.hc_post(y, h, post, comb) if expand else h,
+               hc_kernel.hc_split_sinkhorn(hc_kernel.hc_mixes(stream, fn, 1e-20), scale, base, 4, 20, 1e-6),
+               hc_kernel.hc_pre(stream, pre))
+    hc.USE_KERNEL = False
     try:
-        want = attention.sparse_attn(q, kv, sink, idx, D ** -0.5)
+        reference = (hc.hc_post(y, h, post, comb) if expand else h, hc.hc_mixes(stream, fn, scale, base, 4, 20, 1e-6, 1e-20),
+                     hc.hc_pre(stream, pre))
     finally:
-        attention.USE_KERNELS = True
-    assert not out.isnan().any() and torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
-    torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -10)
-    print(f"{shape}: {(out != want).float().mean().item():.2%} of outputs differ")
+        hc.USE_KERNEL = True
+    for want, label in ((kernels, "separate kernels"), (reference, "torch path")):
+        torch.testing.assert_close(stream.float(), want[0].float(), rtol=2 ** -7, atol=0, msg=label)
+        for name, a, b in zip(("pre", "post", "comb"), want[1], mixes):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
+        torch.testing.assert_close(x.float(), want[2].float(), rtol=2 ** -7, atol=1e-6, msg=label)
+        print(f"{label}: {(stream != want[0]).float().mean().item():.3%} of the stream and "
+              f"{(x != want[2]).float().mean().item():.3%} of x differ")
 
 
 @pytest.mark.parametrize("S", [1, 33])
@@ -94,6 +109,34 @@ def test_compiled_sparse_attention_config_keeps_the_one_block_bits(S):
     for bh in (16, 32):
         torch.testing.assert_close(sparse_attn(q, kv, sink, idx, D ** -0.5, dict(BLOCK_H=bh, num_warps=4, num_stages=2)),
                                    want, rtol=2 ** -7, atol=2 ** -10)
+
+
+@pytest.mark.parametrize("shape", [(64, 1, 4, 128, 700, 192), (2, 300, 4, 128, 500, 192), (3, 5, 2, 64, 90, 130)])
+def test_compiled_sparse_attention_matches_the_torch_path(shape):
+    """Within fp32 rounding before the bf16 output, on rows with no index (0), on -1 padding anywhere in
+    the list, and on lists that are not a multiple of 64 long. A probability an fp32 ulp either side of a
+    bf16 rounding boundary moves P·V by a bf16 ulp of p (the absolute tolerance)."""
+    import model.attention as attention
+    from kernels.attention import sparse_attn
+
+    B, S, H, D, N, L = shape
+    g = torch.Generator(device="cuda").manual_seed(B * S)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=g)
+    idx = torch.randint(-1, N, (B, S, L), device="cuda", generator=g)
+    idx[0, 0] = -1
+    idx[-1, -1, L // 2:] = -1
+    out = torch.full((B, S, H, D), float("nan"), device="cuda").bfloat16()
+    out.copy_(sparse_attn(q, kv, sink, idx, D ** -0.5))
+    attention.USE_KERNELS = False
+    try:
+        want = attention.sparse_attn(q, kv, sink, idx, D ** -0.5)
+    finally:
+        attention.USE_KERNELS = True
+    assert not out.isnan().any() and torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+    torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -10)
+    print(f"{shape}: {(out != want).float().mean().item():.2%} of outputs differ")
 
 
 @pytest.mark.parametrize("S", [1, 150])
@@ -319,3 +362,100 @@ def test_moe_combine_kernel_compiled_rounds_to_bf16_as_torch_does():
     out = (torch.randn(9, 500, 128, generator=g, device="cuda") * 3).bfloat16()
     ids = torch.rand(500, 8, generator=g, device="cuda").topk(2, dim=-1).indices
     assert torch.equal(combine(out, ids, torch.bfloat16), combine(out, ids, torch.float32).bfloat16())
+
+
+@pytest.mark.parametrize("name", ["micro", "v41-slice"])
+def test_compiled_engram_kernels_match_the_torch_path(name, fused):
+    """kernels/engram.py compiled: the hashes and the lookup give the torch path's bits; the gate is within
+    a bf16 ulp (the sums over dim in another order), at micro's and at the slice's Engram widths."""
+    import model.attention as attention
+    from model.engram import Engram, EngramLayout, compressed_token_map, hash_ids, start_history
+    from tests.test_engram import random_ids
+
+    args = preset(name)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    module = Engram(args, args.engram_layer_ids[0]).cuda()
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dtype == torch.float8_e4m3fn:
+                p.copy_(torch.randn(p.shape, device="cuda", generator=g).to(p.dtype))
+            elif p.dtype == torch.float8_e8m0fnu:
+                p.copy_(torch.exp2(torch.randint(-6, 3, p.shape, device="cuda", generator=g).float()).to(p.dtype))
+            else:
+                p.copy_(torch.randn(p.shape, device="cuda", generator=g) * p.shape[-1] ** -0.5)
+    layout, token_map = EngramLayout.from_args(args).to("cuda"), compressed_token_map(args).cuda()
+    comp = token_map[random_ids(args, 4, 33, seed=2).cuda()]
+    history = start_history(args, token_map, 4)
+    x = torch.randn(4, 33, args.hc_mult, args.dim, device="cuda", generator=g).bfloat16()
+
+    from kernels import engram as engram_kernel
+
+    def run(lookup):
+        with torch.inference_mode():
+            ids = hash_ids(layout, comp, history)
+            return ids, lookup(ids[:, :, 0]), module(x, ids[:, :, 0])
+    got = run(lambda ids: engram_kernel.lookup(ids, module.embed.weight, module.embed.scale))
+    attention.USE_KERNELS = False
+    try:
+        want = run(module.embed.lookup)
+    finally:
+        attention.USE_KERNELS = True
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2 ** -8, atol=1e-6)
+    print(f"{name}: {(got[2] != want[2]).float().mean().item():.3%} of the Engram outputs differ")
+
+
+@pytest.mark.parametrize("B, S, E, k", [(64, 1, 16384, 512), (64, 1, 300, 64), (2, 300, 150, 64), (4, 1, 70000, 2048)])
+def test_compiled_topk_entries_give_the_torch_list(B, S, E, k, fused):
+    """kernels/indexer.py's top-k compiled against the keyed top-k, sort and mask of the torch path: the same
+    list, on bf16 scores with ties and -inf, at a slice decode shape (16k entries, k = 512) and tiny-68m's."""
+    import model.attention as attention
+
+    g = torch.Generator(device="cuda").manual_seed(E)
+    scores = torch.randn(B, S, E, device="cuda", generator=g).bfloat16()
+    scores[:, :, ::7] = scores[:, :, :1]  # ties
+    visible = torch.randint(0, E + 1, (B, S), device="cuda", generator=g)
+    scores = scores.masked_fill(torch.arange(E, device="cuda") >= visible.unsqueeze(-1), -torch.inf)
+    got = attention.topk_entries(scores, visible, k)
+    attention.USE_KERNELS = False
+    try:
+        want = attention.topk_entries(scores, visible, k)
+    finally:
+        attention.USE_KERNELS = True
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["window_kv", "index_keys", "index_queries", "compressed_kv"])
+@pytest.mark.parametrize("name", ["tiny-68m", "v41-slice"])
+def test_compiled_norm_rope_quant_gives_the_separate_kernels_bits(case, name):
+    """kernels/latent.py compiled against kernels/norm.py, rope.py and quant.py launched in turn on the same
+    rows: the same bits (each step is the same code on the same tile shapes); and against the torch path
+    within a quantisation step where the norm's or RoPE's fp32 rounding moves a value across a boundary."""
+    from kernels import latent as latent_kernel, norm as norm_kernel, quant as quant_kernel, rope as rope_kernel
+    from model import attention
+    from model.rope import rope_table
+
+    args = preset(name)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    heads = args.index_n_heads if case == "index_queries" else None
+    D = args.index_head_dim if case in ("index_keys", "index_queries") else args.head_dim
+    x = torch.randn(64, 3, *([heads] if heads else []), D, device="cuda", generator=g).bfloat16() * 3
+    freqs = rope_table(args, 2, "cuda")[torch.randint(0, 1000, (64, 3), device="cuda", generator=g)]
+    norm = None
+    if case in ("window_kv", "index_keys"):
+        norm = attention.RMSNorm(D, args.norm_eps).cuda()
+        norm.weight.data = torch.randn(D, device="cuda", generator=g).bfloat16()
+    quant, block = {"window_kv": ("fp8", 32), "compressed_kv": ("e4m3", 16)}.get(case, ("ue8m0", 32))
+    got = latent_kernel.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block)
+    y = norm_kernel.rms_norm(x, norm.weight, args.norm_eps) if norm is not None else x.clone()
+    rope_kernel.apply_rope(y[..., -args.rope_head_dim:], freqs)
+    y = quant_kernel.act_quant_fp8(y, block) if quant == "fp8" else quant_kernel.act_quant_fp4(y, block, quant)
+    assert torch.equal(got, y)
+    attention.USE_KERNELS = False
+    try:
+        want = attention.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block)
+    finally:
+        attention.USE_KERNELS = True
+    step = want.float().unflatten(-1, (-1, block)).abs().amax(-1, keepdim=True) / (2 if quant != "fp8" else 8)
+    assert ((got.float() - want.float()).unflatten(-1, (-1, block)).abs() <= step).all()
+    print(f"{name} {case}: {(got != want).float().mean().item():.3%} of values differ from the torch path")

@@ -1,0 +1,96 @@
+"""A latent row's RMSNorm, RoPE and quantisation sim in one launch (spec §2.1-2.7; DeepSeek's inference/model.py
+applies them in turn to the window KV, the index keys and queries and the compressed entries).
+
+model/attention.py makes four such chains a layer, each two or three launches of kernels/norm.py, rope.py and
+quant.py with a bf16 tensor written and read back between them:
+- the window latent: kv_norm, RoPE, FP8 sim per 32 (`Attention.window_kv`);
+- the index keys: k_norm, RoPE, FP4 sim per 32 with ue8m0 scales (`Indexer.keys`);
+- the index queries: RoPE, FP4 sim per 32 with ue8m0 scales (`Indexer.queries`);
+- the compressed entries: RoPE on a copy, FP4 sim per 16 with e4m3 scales (`compressed_kv`).
+Here a program takes ROWS rows through the three steps: each step writes its rounded result to the output
+and the next reads it back after a barrier, so each step is the separate kernel's own code on the same tile
+shapes (kernels/norm.py's [ROWS, D] rows, kernels/rope.py's pairs, kernels/quant.py's groups).
+
+Numerics: those of the three kernels in turn (the norm within fp32 rounding of the torch path, RoPE within
+an fp32 ulp, the quantisation exact from its input), each result rounded to the row's dtype as the torch
+path rounds it; tests/gpu compares with the separate kernels and tests/test_kernels.py with the torch path.
+"""
+import torch
+
+try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch path is the only path.
+    import triton
+    import triton.language as tl
+
+    from kernels.quant import _FORMATS, FMT_FP8, _quantise
+except ImportError:
+    triton = None
+
+NO_QUANT = -1
+
+
+if triton is not None:
+
+    @triton.jit
+    def _latent_kernel(x_ptr, w_ptr, f_ptr, out_ptr, n_rows, heads, eps, D: tl.constexpr, R: tl.constexpr,
+                       NORM: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of D values; freqs row: row // heads
+        live = rows < n_rows
+        cols = tl.arange(0, D)
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=live[:, None], other=0.0).to(tl.float32)
+        if NORM:  # kernels/norm.py
+            mean = tl.div_rn(tl.sum(x * x, axis=1), tl.full([], D, tl.float32))
+            y = x * tl.div_rn(1.0, tl.sqrt_rn(mean + eps))[:, None]
+            x = tl.load(w_ptr + cols).to(tl.float32)[None, :] * y
+        tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=live[:, None])
+        tl.debug_barrier()
+        # kernels/rope.py on the last R values of each row, in place in the output
+        k = tl.arange(0, R // 2)
+        x_at = out_ptr + rows.to(tl.int64)[:, None] * D + (D - R) + 2 * k[None, :]
+        f_at = f_ptr + (rows // heads).to(tl.int64)[:, None] * R + 2 * k[None, :]
+        a = tl.load(x_at, mask=live[:, None]).to(tl.float32)
+        b = tl.load(x_at + 1, mask=live[:, None]).to(tl.float32)
+        c = tl.load(f_at, mask=live[:, None])
+        d = tl.load(f_at + 1, mask=live[:, None])
+        tl.store(x_at, (a * c - b * d).to(out_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(x_at + 1, (a * d + b * c).to(out_ptr.dtype.element_ty), mask=live[:, None])
+        if FMT >= 0:  # kernels/quant.py on the rows' groups of QB values
+            tl.debug_barrier()
+            G: tl.constexpr = ROWS * D // QB
+            g = tl.program_id(0) * G + tl.arange(0, G)
+            goffs = g.to(tl.int64)[:, None] * QB + tl.arange(0, QB)[None, :]
+            glive = (g < n_rows * (D // QB))[:, None]
+            y = _quantise(tl.load(out_ptr + goffs, mask=glive, other=0.0).to(tl.float32), FMT)
+            tl.debug_barrier()  # every group read before any is overwritten
+            tl.store(out_ptr + goffs, y.to(out_ptr.dtype.element_ty), mask=glive)
+
+
+def applies(x: torch.Tensor, rope_dim: int, block: int | None) -> bool:
+    """CUDA; a power-of-two row of at least 32 with a contiguous last dim; R and the quantisation block
+    powers of two that divide it."""
+    D = x.size(-1)
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return (triton is not None and x.is_cuda and x.stride(-1) == 1 and pow2(D) and D >= 32 and pow2(rope_dim)
+            and rope_dim <= D and (block is None or (pow2(block) and D % block == 0)))
+
+
+def norm_rope_quant(x: torch.Tensor, norm, freqs: torch.Tensor, rope_dim: int, quant: str | None,
+                    block: int | None) -> torch.Tensor:
+    """A new tensor: x [..., D] (rows of D; with a head dim [..., S, H, D] the freqs broadcast over it),
+    RMS-normalised by `norm` (an RMSNorm: its weight and eps; None: not), its last `rope_dim` values rotated by freqs (complex
+    [..., S, R/2]), then quantised: quant "fp8" (e4m3, ue8m0 scales), "ue8m0" or "e4m3" (FP4 with that
+    scale format) per `block` values, or None (not). x's dtype out."""
+    D = x.size(-1)
+    weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+    x2 = x.contiguous().view(-1, D)
+    f = torch.view_as_real(freqs if freqs.is_contiguous() else freqs.contiguous())
+    n = x2.size(0)
+    heads = n // max(f.numel() // rope_dim, 1)
+    fmt = NO_QUANT if quant is None else FMT_FP8 if quant == "fp8" else _FORMATS[quant]
+    out = torch.empty_like(x2)
+    rows = max(1, min(64, 4096 // D))  # kernels/norm.py's rows a program
+    if n:
+        _latent_kernel[(triton.cdiv(n, rows),)](x2, weight if weight is not None else x2, f, out, n, heads, eps, D=D,
+                                               R=rope_dim, NORM=weight is not None, FMT=fmt, QB=block or D,
+                                               ROWS=rows)
+    return out.view(x.shape)
