@@ -146,6 +146,6 @@ def gate(x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: to
     n = x.numel() // (hc * d)
     if n:
         _engram_gate_kernel[(n,)](x.contiguous(), kv.contiguous(), q_weight.contiguous(), k_weight.contiguous(), out,
-                                  d, eps, d ** -0.5, clamp, HC=hc, BLOCK_D=triton.next_power_of_2(d), COMPILED=x.is_cuda,
-                                  num_warps=4 if d <= 1024 else 8)
+                                  d, eps, d ** -0.5, clamp, HC=hc, BLOCK_D=triton.next_power_of_2(d),
+                                  COMPILED=x.is_cuda, num_warps=4 if d <= 1024 else 8)
     return out

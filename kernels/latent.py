@@ -25,9 +25,6 @@ try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch pat
 except ImportError:
     triton = None
 
-NO_QUANT = -1
-
-
 if triton is not None:
 
     @triton.jit
@@ -54,43 +51,43 @@ if triton is not None:
         d = tl.load(f_at + 1, mask=live[:, None])
         tl.store(x_at, (a * c - b * d).to(out_ptr.dtype.element_ty), mask=live[:, None])
         tl.store(x_at + 1, (a * d + b * c).to(out_ptr.dtype.element_ty), mask=live[:, None])
-        if FMT >= 0:  # kernels/quant.py on the rows' groups of QB values
-            tl.debug_barrier()
-            G: tl.constexpr = ROWS * D // QB
-            g = tl.program_id(0) * G + tl.arange(0, G)
-            goffs = g.to(tl.int64)[:, None] * QB + tl.arange(0, QB)[None, :]
-            glive = (g < n_rows * (D // QB))[:, None]
-            y = _quantise(tl.load(out_ptr + goffs, mask=glive, other=0.0).to(tl.float32), FMT)
-            tl.debug_barrier()  # every group read before any is overwritten
-            tl.store(out_ptr + goffs, y.to(out_ptr.dtype.element_ty), mask=glive)
+        tl.debug_barrier()
+        # kernels/quant.py on the rows' groups of QB values
+        G: tl.constexpr = ROWS * D // QB
+        g = tl.program_id(0) * G + tl.arange(0, G)
+        goffs = g.to(tl.int64)[:, None] * QB + tl.arange(0, QB)[None, :]
+        glive = (g < n_rows * (D // QB))[:, None]
+        y = _quantise(tl.load(out_ptr + goffs, mask=glive, other=0.0).to(tl.float32), FMT)
+        tl.debug_barrier()  # every group read before any is overwritten
+        tl.store(out_ptr + goffs, y.to(out_ptr.dtype.element_ty), mask=glive)
 
 
-def applies(x: torch.Tensor, rope_dim: int, block: int | None) -> bool:
+def applies(x: torch.Tensor, rope_dim: int, block: int) -> bool:
     """CUDA; a power-of-two row of at least 32 with a contiguous last dim; R and the quantisation block
     powers of two that divide it."""
     D = x.size(-1)
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     return (triton is not None and x.is_cuda and x.stride(-1) == 1 and pow2(D) and D >= 32 and pow2(rope_dim)
-            and rope_dim <= D and (block is None or (pow2(block) and D % block == 0)))
+            and rope_dim <= D and pow2(block) and D % block == 0)
 
 
-def norm_rope_quant(x: torch.Tensor, norm, freqs: torch.Tensor, rope_dim: int, quant: str | None,
-                    block: int | None) -> torch.Tensor:
+def norm_rope_quant(x: torch.Tensor, norm, freqs: torch.Tensor, rope_dim: int, quant: str,
+                    block: int) -> torch.Tensor:
     """A new tensor: x [..., D] (rows of D; with a head dim [..., S, H, D] the freqs broadcast over it),
-    RMS-normalised by `norm` (an RMSNorm: its weight and eps; None: not), its last `rope_dim` values rotated by freqs (complex
-    [..., S, R/2]), then quantised: quant "fp8" (e4m3, ue8m0 scales), "ue8m0" or "e4m3" (FP4 with that
-    scale format) per `block` values, or None (not). x's dtype out."""
+    RMS-normalised by `norm` (an RMSNorm: its weight and eps; None: not), its last `rope_dim` values rotated
+    by freqs (complex [..., S, R/2]), then quantised: quant "fp8" (e4m3, ue8m0 scales), "ue8m0" or "e4m3"
+    (FP4 with that scale format) per `block` values. x's dtype out."""
     D = x.size(-1)
     weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     x2 = x.contiguous().view(-1, D)
     f = torch.view_as_real(freqs if freqs.is_contiguous() else freqs.contiguous())
     n = x2.size(0)
     heads = n // max(f.numel() // rope_dim, 1)
-    fmt = NO_QUANT if quant is None else FMT_FP8 if quant == "fp8" else _FORMATS[quant]
+    fmt = FMT_FP8 if quant == "fp8" else _FORMATS[quant]
     out = torch.empty_like(x2)
     rows = max(1, min(64, 4096 // D))  # kernels/norm.py's rows a program
     if n:
         _latent_kernel[(triton.cdiv(n, rows),)](x2, weight if weight is not None else x2, f, out, n, heads, eps, D=D,
-                                               R=rope_dim, NORM=weight is not None, FMT=fmt, QB=block or D,
+                                               R=rope_dim, NORM=weight is not None, FMT=fmt, QB=block,
                                                ROWS=rows)
     return out.view(x.shape)

@@ -46,11 +46,11 @@ if triton is not None:
             m = tl.arange(0, RP)  # RP: RATIO rounded up to a power of two
             member = pos[:, None] - RATIO + 1 + m[None, :]  # [BLOCK, RP] group positions
             where = tl.where(member >= start, RATIO + member - start, tl.maximum(member, 0) % RATIO)
-            tl.store(members_ptr + at[:, None] * RATIO + m[None, :], where, mask=live[:, None] & (m < RATIO)[None, :])
+            tl.store(members_ptr + at[:, None] * RATIO + m[None, :], where,
+                     mask=live[:, None] & (m < RATIO)[None, :])
             keep = valid & (pos >= end // RATIO * RATIO)
             tl.store(tail_slots_ptr + at, tl.where(keep, tl.load(slots_ptr + b), trash_slot), mask=live)
             tl.store(tail_at_ptr + at, pos % RATIO, mask=live)
-
 
     @triton.jit
     def _window_kernel(start_ptr, num_ptr, slots_ptr, window_ptr, ring_slots_ptr, ring_at_ptr, S, trash_slot,
@@ -82,7 +82,7 @@ def window_addresses(batch, W: int, decode_order: bool, trash_slot: int) -> tupl
     B = start.size(0)
     dev = start.device
     window = torch.empty(B, S, W, dtype=torch.long, device=dev)
-    ring_slots, ring_at = torch.empty(B, S, dtype=torch.long, device=dev), torch.empty(B, S, dtype=torch.long, device=dev)
+    ring_slots, ring_at = (torch.empty(B, S, dtype=torch.long, device=dev) for _ in range(2))
     if B * S:
         _window_kernel[(B * S,)](start.contiguous(), num_tokens.contiguous(), state_slots.contiguous(), window,
                                  ring_slots, ring_at, S, trash_slot, W=W, DECODE=decode_order)
@@ -95,13 +95,14 @@ def compress_addresses(batch, rope: torch.Tensor, ratio: int, per_block: int, tr
     block_tables, state_slots; S positions from input_ids): "blocks", "entry" int64 [B, S], "freqs" complex64
     [B, S, R/2] from the RoPE table `rope` [max_seq_len, R/2]; at ratio > 1 also "members" int64
     [B, S, ratio], "tail_slots" and "tail_at" int64 [B, S]."""
-    start, num_tokens, block_tables, state_slots = batch.start, batch.num_tokens, batch.block_tables, batch.state_slots
+    start, num_tokens, state_slots = batch.start, batch.num_tokens, batch.state_slots
+    block_tables = batch.block_tables
     S, B = batch.input_ids.size(1), start.size(0)
     dev = start.device
     half = rope.size(-1)
-    out = dict(blocks=torch.empty(B, S, dtype=torch.long, device=dev), entry=torch.empty(B, S, dtype=torch.long, device=dev),
+    out = dict(blocks=torch.empty(B, S, dtype=torch.long, device=dev),
+               entry=torch.empty(B, S, dtype=torch.long, device=dev),
                freqs=torch.empty(B, S, half, dtype=rope.dtype, device=dev))
-    extra = ()
     if ratio > 1:
         out.update(members=torch.empty(B, S, ratio, dtype=torch.long, device=dev),
                    tail_slots=torch.empty(B, S, dtype=torch.long, device=dev),
