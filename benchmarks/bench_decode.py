@@ -7,6 +7,7 @@ all rows at one context bucket. Variants, measured side by side on one loaded mo
           attention in torch ops), no graphs; only the sampler is the current one
   eager   the current kernels, no CUDA graphs
   graphs  the current kernels, decode steps replayed from CUDA graphs (the default)
+  unfused graphs with the fused launches off (model/attention.py FUSED_LAUNCHES: issue #20 item 5's "before")
 each with ZOS on (and, for `graphs`, ZOS off too). Device busy: the union of the steps' device spans
 (CUDA events) over the window's wall time.
 
@@ -114,7 +115,8 @@ def traced_runs(a, directory: str) -> list[dict]:
 def set_variant(llm: LLM, name: str) -> None:
     before = name == "before"
     MoE.grouped = hc.USE_KERNEL = attention.USE_KERNELS = Gate.fused = not before
-    llm.engine.runner.use_cuda_graphs = name == "graphs"
+    attention.FUSED_LAUNCHES = name != "unfused"
+    llm.engine.runner.use_cuda_graphs = name in ("graphs", "unfused")
 
 
 def decode_run(llm: LLM, batch: int, prompt_len: int, warmup: int, steps: int, zos: bool, seed: int) -> dict:
@@ -146,11 +148,12 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, warmup: int, steps: int, z
     return {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "busy": busy_fraction(spans, t0, t1)}
 
 
-def count_kernels(llm: LLM, batch: int, prompt_len: int, top: int = 0) -> int:
-    """CUDA kernels of one eager decode step (current kernels), counted by the profiler; with `top`,
-    print the kernels that take the most device time."""
+def count_kernels(llm: LLM, batch: int, prompt_len: int, top: int = 0, fused: bool = True) -> int:
+    """CUDA kernels of one eager decode step (current kernels; `fused` False: the fused launches off), counted
+    by the profiler; with `top`, print the kernels that take the most device time."""
     from torch.profiler import ProfilerActivity, profile
     set_variant(llm, "eager")
+    attention.FUSED_LAUNCHES = fused
     engine, tracer = llm.engine, llm.engine.tracer
     engine.enable_zos = False
     for i in range(batch):
@@ -262,30 +265,33 @@ def main() -> None:
         llm = LLM(a.model, device="cuda", max_num_seqs=batch, max_num_batched_tokens=8192,
                   tracer=SpanTracer())
         kernels = count_kernels(llm, batch, a.prompt_len, a.profile_top)
+        unfused = count_kernels(llm, batch, a.prompt_len, fused=False) if "unfused" in a.variants else kernels
         context = a.prompt_len + a.warmup + a.steps
         floor_ms = max(step_bytes(llm, batch, context) / (ceilings["copy_GBps"] * 1e9) * 1e3,
-                       kernels * ceilings["launch_us_graph"] / 1e3)
+                       kernels * ceilings["launch_us_graph"] / 1e3)  # the current kernels' floor
         ref = reference_tokens_per_s(llm, a.prompt_len) if batch == 1 else None
         for variant in a.variants.split(","):
             set_variant(llm, variant)
             for zos in ((True, False) if variant == "graphs" else (True,)):
                 steps = a.before_steps if variant == "before" else a.steps
                 r = decode_run(llm, batch, a.prompt_len, a.warmup, steps, zos, seed=len(results))
-                r.update(batch=batch, variant=variant, zos=zos, kernels=kernels, floor_ms=floor_ms,
+                r.update(batch=batch, variant=variant, zos=zos, kernels=unfused if variant == "unfused" else kernels,
+                         floor_ms=floor_ms,
                          reference_tokens_per_s=ref, steps=steps)
                 results.append(r)
                 print(f"B={batch:4d} {variant:7s} zos={'on ' if zos else 'off'}: {r['ms_per_step']:8.3f} ms/step "
                       f"{r['tokens_per_s']:10,.0f} tok/s  busy {r['busy']:.3f}  floor {floor_ms:.3f} ms "
-                      f"({r['ms_per_step'] / floor_ms:.1f}x)  kernels/step {kernels}"
+                      f"({r['ms_per_step'] / floor_ms:.1f}x)  kernels/step {r['kernels']}"
                       + (f"  reference {ref:.1f} tok/s" if ref else ""), flush=True)
         llm.engine.shutdown()
         del llm
         torch.cuda.empty_cache()
     hw = torch.cuda.get_device_name()
-    print(f"\n| hardware | batch | variant | ZOS | ms/step | tokens/s | device busy | floor ms | x floor |")
+    print("\n| hardware | batch | variant | ZOS | kernels | ms/step | tokens/s | device busy | floor ms | x floor |")
     for r in results:
-        print(f"| {hw} | {r['batch']} | {r['variant']} | {'on' if r['zos'] else 'off'} | {r['ms_per_step']:.3f} | "
-              f"{r['tokens_per_s']:,.0f} | {r['busy']:.1%} | {r['floor_ms']:.3f} | {r['ms_per_step'] / r['floor_ms']:.1f} |")
+        print(f"| {hw} | {r['batch']} | {r['variant']} | {'on' if r['zos'] else 'off'} | {r['kernels']} | "
+              f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['busy']:.1%} | {r['floor_ms']:.3f} | "
+              f"{r['ms_per_step'] / r['floor_ms']:.1f} |")
     if a.traces:
         print("\n| hardware | batch | ZOS | device busy (from the trace) | steady decode steps |")
         for r in traced:

@@ -12,8 +12,7 @@ Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first 
 Profile (`--profile BxC`, issue #20 items 3 and 4): one eager decode step of B rows at context C and one prefill
 step of `--max-batched-tokens` tokens of one prompt from position 0, under torch.profiler: each layer's device
 time (its Engram block, attention and the rest: the hyper-connections and MoE), the kernels with the most
-device time, with their share of the step, and the launches by the project function that made them (issue #20
-item 5). The prefill step's `--max-batched-tokens` must fit the model's length (at tiny-68m, --contexts 1100
+device time, with their share of the step, and the launches by the module that made them (issue #20 item 5). The prefill step's `--max-batched-tokens` must fit the model's length (at tiny-68m, --contexts 1100
 with --max-batched-tokens 1024).
 `max_seq_len` is raised on the loaded weights when a context needs it (no numeric effect, spec §8).
 
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -56,7 +56,8 @@ def profiled(engine: LLMEngine, top: int) -> dict:
     """One engine step under torch.profiler: device ms by layer part and the `top` kernels by device time.
     Ranges: "layer L" around each block, "layer L engram" around its Engram block, "layer L attention" around
     its attention sublayer; a kernel counts in the innermost range its launch was in, so a layer's "rest" is
-    what it launched outside the other two (hyper-connections, norms, MoE)."""
+    what it launched outside the other two (hyper-connections, norms, MoE). Every submodule gets a range too
+    ("module layers.*.attn.indexer", its layer index starred): the launches by module (issue #20 item 5)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     model = engine.runner.model
@@ -64,17 +65,20 @@ def profiled(engine: LLMEngine, top: int) -> dict:
 
     def ranged(name, module):
         def enter(*_):
-            module._range = record_function(name)
-            module._range.__enter__()
+            module._ranges = getattr(module, "_ranges", []) + [record_function(name)]
+            module._ranges[-1].__enter__()
 
         def leave(*_):
-            module._range.__exit__(None, None, None)
+            module._ranges.pop().__exit__(None, None, None)
         hooks.extend([module.register_forward_pre_hook(enter), module.register_forward_hook(leave)])
 
     for block in model.weights.layers:
         ranged(f"layer {block.layer}", block)
         if block.engram is not None:
             ranged(f"layer {block.layer} engram", block.engram)
+    for qualname, module in model.weights.named_modules():
+        if not isinstance(module, torch.nn.ModuleList):
+            ranged("module " + (re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", qualname) or type(module).__name__), module)
 
     def attend_ranged(block, *args):
         with record_function(f"layer {block.layer} attention"):
@@ -82,7 +86,7 @@ def profiled(engine: LLMEngine, top: int) -> dict:
     model.attend = attend_ranged
     torch.cuda.synchronize()
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.step()
             torch.cuda.synchronize()
     finally:
@@ -91,22 +95,29 @@ def profiled(engine: LLMEngine, top: int) -> dict:
             h.remove()
     averages = prof.key_averages()
     kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.key.startswith("layer ")]  # the ranges' own device spans are not kernels
+               and not e.key.startswith(("layer ", "module "))]  # the ranges' own device spans are not kernels
     total = sum(e.self_device_time_total for e in kernels) / 1e3
     # each kernel to the innermost range open when its launch call (the runtime or driver API event with the same
     # correlation id) ran; Triton's driver launches are linked to no torch op, so time on the CPU is the link
     raw = prof.profiler.kineto_results.events()
-    spans = sorted((e.start_ns(), e.end_ns(), e.name()) for e in raw
-                   if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith("layer "))
+    ranges = sorted((e.start_ns(), e.end_ns(), e.name()) for e in raw
+                    if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(("layer ", "module ")))
+    spans = [r for r in ranges if r[2].startswith("layer ")]
+    modules = [r for r in ranges if r[2].startswith("module ")]
     launched = {e.correlation_id(): e.start_ns() for e in raw if e.device_type() == torch.autograd.DeviceType.CPU
                 and not e.is_user_annotation() and e.name().startswith("cu")}
-    parts = {}
+    parts, sources = {}, {}
     for e in raw:
         if e.device_type() != torch.autograd.DeviceType.CUDA or e.is_user_annotation():
             continue
-        t = launched.get(e.correlation_id())
+        t, ms = launched.get(e.correlation_id()), e.duration_ns() / 1e6
         key = "untraced" if t is None else next((n for a, b, n in reversed(spans) if a <= t <= b), "outside")
-        parts[key] = parts.get(key, 0.0) + e.duration_ns() / 1e6
+        parts[key] = parts.get(key, 0.0) + ms
+        source = "(no launch call traced)" if t is None else next(
+            (n[len("module "):] for a, b, n in reversed(modules) if a <= t <= b), "(outside the model's modules)")
+        c = sources.setdefault(source, [0, 0.0, {}])
+        c[0], c[1] = c[0] + 1, c[1] + ms
+        c[2][e.name()] = c[2].get(e.name(), 0) + 1
     layers = []
     for block in model.weights.layers:
         name = f"layer {block.layer}"
@@ -114,44 +125,20 @@ def profiled(engine: LLMEngine, top: int) -> dict:
                              parts.get(name, 0.0))
         layers.append(dict(layer=block.layer, ratio=block.attn.ratio, engram_ms=engram, attention_ms=att,
                            rest_ms=rest, total_ms=engram + att + rest))
-    top_kernels = [dict(name=e.key, count=e.count, ms=e.self_device_time_total / 1e3,
-                        share=e.self_device_time_total / 1e3 / total)
-                   for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]]
-    return dict(device_ms=total, kernels=sum(e.count for e in kernels), layers=layers, top=top_kernels,
+    ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)
+    every = [dict(name=e.key, count=e.count, ms=e.self_device_time_total / 1e3,
+                  share=e.self_device_time_total / 1e3 / total) for e in ranked]
+    return dict(device_ms=total, kernels=sum(e.count for e in kernels), layers=layers, top=every[:top], every=every,
                 outside_ms=parts.get("outside", 0.0), untraced_ms=parts.get("untraced", 0.0),
-                sources=launch_sources(prof, kernels))
+                sources=[dict(source=k, launches=n, ms=ms, kernels=sorted(by.items(), key=lambda kv: -kv[1]))
+                         for k, (n, ms, by) in sorted(sources.items(), key=lambda kv: -kv[1][0])])
 
 
-def launch_sources(prof, kernels) -> list[dict]:
-    """Kernel launches and device ms by the project function that launched them (issue #20 item 5: where to
-    fuse). A kernel linked to a torch op counts under the innermost frame of that op's Python stack in
-    model/, kernels/ or engine/; a Triton kernel (linked to no op) under the function of kernels/ that
-    launches it, known by its name (`_name_kernel` defined there)."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    defined = {}
-    for path in sorted((root / "kernels").glob("*.py")):
-        for name in re.findall(r"^\s*def (_\w+_kernel)\(", path.read_text(), re.M):
-            defined[name] = f"kernels/{path.stem} (Triton {name})"
-    found = {}
-    for e in prof.events():
-        launched = getattr(e, "kernels", None)
-        if e.device_type != torch.autograd.DeviceType.CPU or not launched:
-            continue
-        frame = next((f for f in e.stack if any(f"/{d}/" in f for d in ("model", "kernels", "engine"))), None)
-        key = "(no project frame)" if frame is None else re.sub(r"^.*/((?:model|kernels|engine)/[^(]+)\.py\(\d+\): (.*)$",
-                                                                r"\1 \2", frame)
-        c = found.setdefault(key, [0, 0.0])
-        c[0] += len(launched)
-        c[1] += sum(k.duration for k in launched) / 1e3
-    for e in kernels:  # the Triton kernels: by name
-        if e.key in defined:
-            c = found.setdefault(defined[e.key], [0, 0.0])
-            c[0] += e.count
-            c[1] += e.self_device_time_total / 1e3
-    return [dict(source=k, launches=n, ms=ms) for k, (n, ms) in sorted(found.items(), key=lambda kv: -kv[1][0])]
+def short(kernel: str) -> str:
+    """A kernel's name without its template arguments: `void at::native::index_elementwise_kernel<...>` ->
+    index_elementwise_kernel; cuBLAS's by their first word."""
+    name = re.sub(r"<.*$|\(.*$", "", kernel.removeprefix("void ")).split("::")[-1]
+    return name[:40]
 
 
 def print_profile(title: str, r: dict) -> None:
@@ -165,9 +152,10 @@ def print_profile(title: str, r: dict) -> None:
     for k in r["top"]:
         print(f"| {k['name'][:90]} | {k['count']} | {k['ms']:.3f} | {k['share']:.1%} |")
     counted = sum(x["launches"] for x in r["sources"])
-    print(f"| launched by (innermost project frame) | launches ({counted} of {r['kernels']}) | ms |")
+    print(f"| launched in (innermost module) | launches ({counted} of {r['kernels']}) | ms | kernels |")
     for x in r["sources"]:
-        print(f"| {x['source'][:90]} | {x['launches']} | {x['ms']:.3f} |")
+        names = ", ".join(f"{short(k)} {n}" for k, n in x["kernels"][:6])
+        print(f"| {x['source'][:60]} | {x['launches']} | {x['ms']:.3f} | {names} |")
 
 
 def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: int) -> dict:
@@ -268,7 +256,7 @@ def main() -> None:
                       f"{profile['decode']['graph_ms_per_step']:.2f} ms/step)", profile["decode"])
         print_profile(f"prefill step of {profile['prefill_tokens']} tokens from position 0", profile["prefill"])
     engine.shutdown()
-    print(f"\n| hardware | checkpoint | batch | context | variant | ms/step | tokens/s | device busy | peak GB |")
+    print("\n| hardware | checkpoint | batch | context | variant | ms/step | tokens/s | device busy | peak GB |")
     for r in results:
         print(f"| {hw} | {a.model} | {r['batch']} | {r['context']} | {r['variant']} | {r['ms_per_step']:.2f} | "
               f"{r['tokens_per_s']:,.1f} | {r['busy']:.1%} | {r['peak_GB']:.1f} |")

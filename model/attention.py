@@ -23,9 +23,9 @@ SPARSE_ATTN_BLOCK = 64  # the kernel's online softmax walks the index list in bl
 # within fp32 rounding). False keeps the torch ops everywhere (the benchmarks' "before"). CPU always uses torch.
 USE_KERNELS = True
 # CUDA, issue #20 item 5: the fused launches (kernels/hc.py handoff, engram.py, latent.py, paged.py and the decode
-# top-k of indexer.py). Off until they have run compiled (tests/gpu) and the H200 example trace is re-recorded
-# with them: they move CUDA bits, so the committed trace would no longer re-execute to identical tokens there.
-FUSED_LAUNCHES = False
+# top-k of indexer.py). They move CUDA bits (the H200 example trace is recorded with them on); False gives the
+# separate launches of before (the benchmarks' "before", tests/gpu's comparisons).
+FUSED_LAUNCHES = True
 
 
 def use_kernels(x: torch.Tensor) -> bool:
