@@ -117,6 +117,7 @@ def set_variant(llm: LLM, name: str) -> None:
     MoE.grouped = hc.USE_KERNEL = attention.USE_KERNELS = Gate.fused = not before
     attention.FUSED_LAUNCHES = name != "unfused"
     llm.engine.runner.use_cuda_graphs = name in ("graphs", "unfused")
+    llm.engine.runner.graphs.clear()  # a graph replays the kernels it captured: each variant captures its own
 
 
 def decode_run(llm: LLM, batch: int, prompt_len: int, warmup: int, steps: int, zos: bool, seed: int) -> dict:

@@ -1,7 +1,7 @@
 """The grouped MoE's SwiGLU as one Triton kernel (spec §5; mirrors `Expert.forward` of DeepSeek's inference/model.py).
 
 Between its two GEMMs: clamps, silu, the routing weight, and the layout the second GEMM wants; and the
-combine after the second GEMM.
+combine after the second GEMM. Before them, the gate: `route` (after the softplus) and `gate` (all of it).
 
 Mirrors the expert activation of DeepSeek's inference/model.py (`Expert.forward` between w1/w3 and w2).
 model/moe.py's grouped path runs every expert and the shared one on every row; between its GEMMs the
@@ -61,28 +61,75 @@ if triton is not None:
 
 
     @triton.jit
+    def _route_rows(sp, e, bias_ptr, E, K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Rows of softplus values sp [ROWS, BLOCK_E] (lanes e >= E ignored) -> (ids int64 [ROWS, BLOCK_K],
+        weights fp32 [ROWS, BLOCK_K]) before route_scale: model/moe.py's sqrt, biased top-k, gather and
+        normalisation, the same IEEE operations in the same order."""
+        slot = tl.arange(0, BLOCK_K)
+        scores = tl.sqrt_rn(tl.where(e[None, :] < E, sp, 1.0))
+        biased = tl.where(e[None, :] < E, scores + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :],
+                          -float("inf"))
+        ids = tl.zeros((ROWS, BLOCK_K), dtype=tl.int64)
+        ws = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+        total = tl.zeros((ROWS,), dtype=tl.float32)
+        for j in tl.static_range(K):  # the k largest biased scores in descending order, ties to the lower id
+            top = tl.max(biased, axis=1)
+            pick = tl.min(tl.where(biased == top[:, None], e[None, :], BLOCK_E), axis=1)
+            hit = e[None, :] == pick[:, None]
+            w = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # one term: exact
+            ids = tl.where(slot[None, :] == j, pick[:, None].to(tl.int64), ids)
+            ws = tl.where(slot[None, :] == j, w[:, None], ws)
+            total += w  # in order: for k = 2 one add, as torch's sum of a pair
+            biased = tl.where(hit, -float("inf"), biased)
+        if NORM:
+            ws = tl.div_rn(ws, tl.zeros_like(ws) + (total + 1e-20)[:, None])
+        return ids, ws
+
+    @triton.jit
     def _route_kernel(sp_ptr, bias_ptr, ids_ptr, w_ptr, E, route_scale, K: tl.constexpr, NORM: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
-        e = tl.arange(0, BLOCK_E)
-        slot = tl.arange(0, BLOCK_K)
-        scores = tl.sqrt_rn(tl.load(sp_ptr + n * E + e, mask=e < E, other=1.0))
-        biased = tl.where(e < E, scores + tl.load(bias_ptr + e, mask=e < E, other=0.0), -float("inf"))
-        ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
-        ws = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        total = 0.0
-        for j in tl.static_range(K):  # the k largest biased scores in descending order, ties to the lower id
-            top = tl.max(biased, axis=0)
-            pick = tl.min(tl.where(biased == top, e, BLOCK_E), axis=0)
-            w = tl.sum(tl.where(e == pick, scores, 0.0), axis=0)  # one term: exact
-            ids = tl.where(slot == j, pick.to(tl.int64), ids)
-            ws = tl.where(slot == j, w, ws)
-            total += w  # in order: for k = 2 one add, as torch's sum of a pair
-            biased = tl.where(e == pick, -float("inf"), biased)
-        if NORM:
-            ws = tl.div_rn(ws, tl.zeros((BLOCK_K,), dtype=tl.float32) + (total + 1e-20))
-        tl.store(ids_ptr + n * K + slot, ids, mask=slot < K)
-        tl.store(w_ptr + n * K + slot, ws * route_scale, mask=slot < K)
+        e, slot = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
+        sp = tl.load(sp_ptr + n * E + e[None, :], mask=e[None, :] < E, other=1.0)  # [1, BLOCK_E]
+        ids, ws = _route_rows(sp, e, bias_ptr, E, K, NORM, 1, BLOCK_E, BLOCK_K)
+        tl.store(ids_ptr + n * K + slot[None, :], ids, mask=slot[None, :] < K)
+        tl.store(w_ptr + n * K + slot[None, :], ws * route_scale, mask=slot[None, :] < K)
+
+    @triton.jit
+    def _softplus(x):
+        """F.softplus (beta 1, threshold 20) through fp64: log1p(exp(x)), where exp(x) < 1e-8 is its own
+        log1p within an fp32 rounding; one rounding to fp32 (torch's expf and log1pf may differ by an ulp)."""
+        ex = tl.exp(x.to(tl.float64))
+        return tl.where(x > 20.0, x, tl.where(ex < 1e-8, ex, tl.log(1.0 + ex)).to(tl.float32))
+
+    @triton.jit
+    def _gate_kernel(x_ptr, w_ptr, bias_ptr, sp_ptr, ids_ptr, wout_ptr, N, D, E, temp, route_scale,
+                     TEMP: tl.constexpr, ROUTE: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (rows block, experts block): logits = fp32(x)·Wᵀ by IEEE fp32 FMAs over d in order (each
+        value's chain of adds is the same in any tile or batch), / temp, softplus; then, when one block
+        holds every expert (ROUTE), the route of each row, else the softplus values for `route`."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        rows, experts = n[:, None] < N, e[None, :] < E
+        acc = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
+        for start in range(0, D, BLOCK_D):
+            d = start + tl.arange(0, BLOCK_D)
+            x = tl.load(x_ptr + n[:, None].to(tl.int64) * D + d[None, :], mask=rows & (d[None, :] < D), other=0.0)
+            w = tl.load(w_ptr + e[None, :].to(tl.int64) * D + d[:, None], mask=experts & (d[:, None] < D), other=0.0)
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+        if TEMP:
+            acc = tl.div_rn(acc, temp)
+        sp = _softplus(acc)
+        if ROUTE:
+            slot = tl.arange(0, BLOCK_K)
+            ids, ws = _route_rows(sp, e, bias_ptr, E, K, NORM, BLOCK_N, BLOCK_E, BLOCK_K)
+            out = n[:, None].to(tl.int64) * K + slot[None, :]
+            tl.store(ids_ptr + out, ids, mask=rows & (slot[None, :] < K))
+            tl.store(wout_ptr + out, ws * route_scale, mask=rows & (slot[None, :] < K))
+        else:
+            tl.store(sp_ptr + n[:, None].to(tl.int64) * E + e[None, :], sp, mask=rows & experts)
 
 
 def route(softplus: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, route_scale: float):
@@ -99,6 +146,35 @@ def route(softplus: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, route_
                             NORM=bool(norm and k > 1), BLOCK_E=triton.next_power_of_2(E),
                             BLOCK_K=triton.next_power_of_2(k))
     return w, ids
+
+
+GATE_ROWS = 16      # rows a program: fixed, so a row's logits never depend on its batch
+GATE_DEPTH = 64     # d a step of the FMA chain's tiles
+ROUTE_EXPERTS = 128  # up to this many experts a program holds them all and routes in the same launch
+
+
+def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float, k: int, norm: bool,
+         route_scale: float):
+    """The whole gate (spec §5) from x [N, d] (bf16) and the fp32 weight [E, d]: logits in IEEE fp32,
+    / temp (skipped at 1), softplus, then `route`'s selection and weights -> (weights fp32 [N, k], ids int64
+    [N, k]). One launch up to ROUTE_EXPERTS experts (tiny-68m: 16), else two (the softplus values, then
+    `route`; the slice's 384), where torch takes five (the upcast, the GEMM and its split-K reduction, the
+    softplus, the route). Within fp32 rounding of model/moe.py's torch lines (another order of the d sums,
+    the softplus through fp64), so a near tie in the top-k may pick the other expert."""
+    N, D = x.shape
+    E = weight.size(0)
+    ids = torch.empty(N, k, dtype=torch.long, device=x.device)
+    w = torch.empty(N, k, dtype=torch.float32, device=x.device)
+    if not N:
+        return w, ids
+    one = E <= ROUTE_EXPERTS
+    block_e = max(16, triton.next_power_of_2(E)) if one else 32
+    sp = w if one else torch.empty(N, E, dtype=torch.float32, device=x.device)
+    _gate_kernel[(triton.cdiv(N, GATE_ROWS), triton.cdiv(E, block_e))](
+        x.contiguous(), weight.contiguous(), bias.contiguous(), sp, ids, w, N, D, E, float(temp), float(route_scale),
+        TEMP=temp != 1, ROUTE=one, K=k, NORM=bool(norm and k > 1), BLOCK_N=GATE_ROWS, BLOCK_E=block_e,
+        BLOCK_D=GATE_DEPTH, BLOCK_K=triton.next_power_of_2(k))
+    return (w, ids) if one else route(sp, bias, k, norm, route_scale)
 
 
 def combine(out: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -137,11 +137,23 @@ if triton is not None:
         return (-tl.log(-tl.log(u.to(tl.float64)))).to(tl.float32)
 
     @triton.jit
-    def _sample_kernel(logits_ptr, stride_row, temps_ptr, keys_ptr, best_ptr, best_idx_ptr, V, CHUNK,
-                       BLOCK: tl.constexpr):
+    def _row_key(seeds_ptr, positions_ptr, row):
+        """mix_seed(seed, position) of one row (the module docstring's step 1), in uint64 arithmetic, which
+        wraps and shifts logically: the same 64 bits as the torch lines, in the kernel that uses them
+        instead of 14 int64 launches before it."""
+        z = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
+        position = tl.load(positions_ptr + row).to(tl.uint64, bitcast=True)
+        z = z + (position + 1) * 0x9E3779B97F4A7C15
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        return z ^ (z >> 31)
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, stride_row, temps_ptr, seeds_ptr, positions_ptr, best_ptr, best_idx_ptr, V,
+                       CHUNK, BLOCK: tl.constexpr):
         """Program (row, split): the argmax of the row's scores over vocab [split·CHUNK, (split+1)·CHUNK)."""
         row, split = tl.program_id(0), tl.program_id(1)
-        key = tl.load(keys_ptr + row)
+        key = _row_key(seeds_ptr, positions_ptr, row)
         temp = tl.load(temps_ptr + row)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         # Running argmax per lane: the earliest index of each lane's maximum (strict > keeps the first).
@@ -173,15 +185,15 @@ if triton is not None:
         tl.store(out_ptr + row, token.to(tl.int64))
 
     @triton.jit
-    def _gumbel_noise_kernel(keys_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    def _gumbel_noise_kernel(seeds_ptr, positions_ptr, out_ptr, V, BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        key = tl.load(keys_ptr + row)
+        key = _row_key(seeds_ptr, positions_ptr, row)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             tl.store(out_ptr + row.to(tl.int64) * V + cols, _gumbel(tl.rand(key, cols)), mask=cols < V)
 
 
-def _sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+def _sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                    block: int = 4096) -> torch.Tensor:
     # A program per (row, vocab split) is bound by Philox and the fp64 logs: 16 warps of 4096 lanes ran
     # 2.3x faster than 4 warps of 1024 on an H200 (V=129280). One program per row left most of the
@@ -194,8 +206,8 @@ def _sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch
     best_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _sample_kernel[(rows, splits)](logits, logits.stride(0), temperatures, keys, best, best_idx, V, chunk,
-                                       BLOCK=block, num_warps=16)
+        _sample_kernel[(rows, splits)](logits, logits.stride(0), temperatures, seeds, positions, best, best_idx, V,
+                                       chunk, BLOCK=block, num_warps=16)
         _argmax_splits_kernel[(rows,)](best, best_idx, out, V, SPLITS=splits)
     return out
 
@@ -221,18 +233,16 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1, "logits: [B, V] fp32"
     assert temperatures.dtype == torch.float32 and seeds.dtype == positions.dtype == torch.int64
     assert temperatures.shape == seeds.shape == positions.shape == logits.shape[:1], "one value per row"
-    keys = mix_seed(seeds, positions)
-    if _use_triton(use_triton, logits.device):
-        return _sample_triton(logits, temperatures.contiguous(), keys.contiguous())
-    return _sample_torch(logits, temperatures, keys)
+    if _use_triton(use_triton, logits.device):  # the keys in the kernel
+        return _sample_triton(logits, temperatures.contiguous(), seeds.contiguous(), positions.contiguous())
+    return _sample_torch(logits, temperatures, mix_seed(seeds, positions))
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, *,
                  use_triton: bool | None = None, block: int = 4096) -> torch.Tensor:
     """Debug entry point: the Gumbel noise [B, V] fp32 that `sample` adds to logits / T for these rows."""
-    keys = mix_seed(seeds, positions).contiguous()
-    if not _use_triton(use_triton, keys.device):
-        return _noise_torch(keys, vocab_size)
-    out = torch.empty(keys.shape[0], vocab_size, dtype=torch.float32, device=keys.device)
-    _gumbel_noise_kernel[(keys.shape[0],)](keys, out, vocab_size, BLOCK=block)
+    if not _use_triton(use_triton, seeds.device):
+        return _noise_torch(mix_seed(seeds, positions), vocab_size)
+    out = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
+    _gumbel_noise_kernel[(seeds.shape[0],)](seeds.contiguous(), positions.contiguous(), out, vocab_size, BLOCK=block)
     return out

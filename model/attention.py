@@ -22,9 +22,9 @@ SPARSE_ATTN_BLOCK = 64  # the kernel's online softmax walks the index list in bl
 # CUDA: the Triton kernels of kernels/ (quantisation sims bit for bit; RMSNorm, RoPE and sparse attention
 # within fp32 rounding). False keeps the torch ops everywhere (the benchmarks' "before"). CPU always uses torch.
 USE_KERNELS = True
-# CUDA, issue #20 item 5: the fused launches (kernels/hc.py handoff, engram.py, latent.py, paged.py and the decode
-# top-k of indexer.py). They move CUDA bits (the H200 example trace is recorded with them on); False gives the
-# separate launches of before (the benchmarks' "before", tests/gpu's comparisons).
+# CUDA, issue #20 item 5: the fused launches (kernels/hc.py handoff, engram.py, latent.py, paged.py, the decode
+# top-k of indexer.py, the gate of moe.py). They move CUDA bits (the H200 example trace is recorded with them on);
+# False gives the separate launches of before (bench_decode.py's "unfused", tests/gpu's comparisons).
 FUSED_LAUNCHES = True
 
 

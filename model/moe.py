@@ -24,7 +24,7 @@ from torch import nn
 from kernels import fp4_moe
 from kernels import moe as moe_kernel
 from model import invariant  # batch-invariant mode hooks (issue #11)
-from model.attention import Linear
+from model.attention import Linear, use_fused
 from model.config import ModelArgs
 from model.parallel import Shard, moe_forward
 
@@ -36,7 +36,7 @@ def _version(t: torch.Tensor) -> int:
 
 
 class Gate(nn.Module):
-    fused = True  # CUDA: everything after the softplus in one Triton launch (kernels/moe.py `route`)
+    fused = True  # CUDA: everything after the softplus in one Triton launch (kernels/moe.py `route`), or all of it
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -54,7 +54,12 @@ class Gate(nn.Module):
         return self._weight_fp32[1]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N,d] -> (weights fp32 [N,k], expert ids [N,k] in descending biased score)."""
+        """x [N,d] -> (weights fp32 [N,k], expert ids [N,k] in descending biased score). With the fused launches
+        on (model/attention.py FUSED_LAUNCHES, CUDA): the lines below in one launch (kernels/moe.py `gate`;
+        two beyond 128 experts), fixed tiles, so batch-invariant in either mode."""
+        if self.fused and use_fused(x):
+            return moe_kernel.gate(x, self.weight_fp32(), self.bias, self.temp, self.topk, self.norm_topk_prob,
+                                   self.route_scale)
         logits = invariant.linear(x.float(), self.weight_fp32())  # F.linear outside the mode
         softplus = invariant.pointwise(F.softplus, logits if self.temp == 1 else logits / self.temp)  # x/1 skipped
         if softplus.is_cuda and self.fused:

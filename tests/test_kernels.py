@@ -7,6 +7,8 @@ paths, so the golden bits are untouched.
 """
 import os
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -301,6 +303,34 @@ def test_gate_route_kernel_gives_the_bits_of_the_torch_gate(moe, k, norm):
     got_w, got_ids = route(softplus, bias, k, norm, 1.5)
     assert torch.equal(got_ids, ids)
     assert torch.equal(got_w, w * 1.5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("E,k,temp", [(16, 2, 1.0), (16, 1, 0.7), (200, 6, 1.0)])
+def test_gate_kernel_is_the_torch_gate_within_fp32_rounding(E, k, temp):
+    """kernels/moe.py `gate` (the logits' GEMM, / temp, softplus and the route in one launch up to 128
+    experts, two beyond) against model/moe.py's torch lines, on rows and widths that are not multiples of
+    the tiles: the same experts in the same order, the weights within fp32 rounding (the d sums in another
+    order, the softplus through fp64); very negative logits keep their tiny softplus."""
+    from kernels.moe import gate
+    from model.moe import Gate
+
+    g = torch.Generator().manual_seed(E + k)
+    N, D = 37, 100
+    x = (torch.randn(N, D, generator=g) * 2).bfloat16()
+    x[:, 0] = 4.0
+    weight = torch.randn(E, D, generator=g) * 0.3
+    weight[3, 0] = -12.0  # expert 3's logits near -48: softplus ~ 1e-21, its score sqrt ~ 3e-11
+    bias = torch.randn(E, generator=g) * 0.1
+    bias[3] = 10.0  # ... and the bias picks it first in every row, so its tiny weight is compared
+    module = Gate(SimpleNamespace(n_activated_experts=k, gate_temp=temp, route_scale=1.5, norm_topk_prob=True,
+                                  n_routed_experts=E, dim=D))
+    module.weight.data, module.bias.data = weight.bfloat16(), bias
+    want_w, want_ids = module(x)
+    got_w, got_ids = gate(x, module.weight_fp32(), bias, temp, k, True, 1.5)
+    assert torch.equal(got_ids, want_ids) and (want_ids[:, 0] == 3).all()
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=0)
+    assert k == 1 or (want_w[:, 0] < 1e-8).all()
 
 
 @needs_interpreter

@@ -97,14 +97,24 @@ def test_philox_bits_match_triton_randint():
 @pytest.mark.parametrize("n, vocab, block", [(5, 97, 32), (3, 300, 64), (8, 128, 1024)])
 def test_triton_kernel_matches_torch_path_bit_for_bit(n, vocab, block):
     logits, temperatures, seeds, positions = rows(n, vocab, seed=vocab)
-    keys = mix_seed(seeds, positions)
     want = sample(logits, temperatures, seeds, positions, use_triton=False)
-    assert torch.equal(sampling._sample_triton(logits, temperatures, keys, block=block), want)
+    assert torch.equal(sampling._sample_triton(logits, temperatures, seeds, positions, block=block), want)
     assert torch.equal(sample(logits, temperatures, seeds, positions, use_triton=True), want)
     assert (want != logits.argmax(dim=1)).any()  # the noise decided some draws, so the check has teeth
     noise = gumbel_noise(seeds, positions, vocab, use_triton=True, block=block)
     want_noise = gumbel_noise(seeds, positions, vocab, use_triton=False)
     assert torch.equal(noise.view(torch.int32), want_noise.view(torch.int32))  # bit for bit, -inf included
+
+
+@needs_triton
+def test_the_kernels_keys_are_mix_seed_at_the_int64_extremes():
+    """The sampler's kernels derive each row's key from (seed, position) themselves (`_row_key`, uint64): the
+    bits of mix_seed's int64 lines where the sums and products wrap and the shifts must be logical."""
+    seeds = torch.tensor([0, -1, (1 << 63) - 1, -(1 << 63), 0x0123456789ABCDEF, -12345])
+    positions = torch.tensor([0, (1 << 40) + 3, 5, 1 << 62, 7, 1 << 24])
+    noise = gumbel_noise(seeds, positions, 64, use_triton=True, block=64)
+    want = gumbel_noise(seeds, positions, 64, use_triton=False)
+    assert torch.equal(noise.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.slow
@@ -128,8 +138,7 @@ def test_lowest_index_wins_ties(use_triton):
     logits[2, [40, 8]] = 3.0  # the same lane of different blocks
     logits[3] = float("-inf")
     temperatures, seeds, positions = torch.zeros(4), torch.arange(4), torch.arange(4)
-    keys = mix_seed(seeds, positions)
-    got = (sampling._sample_triton(logits, temperatures, keys, block=32) if use_triton
+    got = (sampling._sample_triton(logits, temperatures, seeds, positions, block=32) if use_triton
            else sample(logits, temperatures, seeds, positions, use_triton=False))
     assert got.tolist() == [0, 5, 8, 0]
 
