@@ -9,11 +9,13 @@ them. A (batch, context) whose prompts would need more than `--max-prefill-token
 skipped and said so (the masked FP4 MoE made the slice's prefill slow; since issue #20 item 3 the grouped
 FP4 kernels run it, kernels/fp4_moe.py).
 Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first token), after one untimed run.
-Profile (`--profile BxC`, issue #20 items 3 and 4): one eager decode step of B rows at context C and one prefill
-step of `--max-batched-tokens` tokens of one prompt from position 0, under torch.profiler: each layer's device
-time (its Engram block, attention and the rest: the hyper-connections and MoE), the kernels with the most
-device time, with their share of the step, and the launches by the module that made them (issue #20 item 5). The prefill step's `--max-batched-tokens` must fit the model's length (at tiny-68m, --contexts 1100
-with --max-batched-tokens 1024).
+Profile (`--profile BxC`, issue #20 items 3 and 4): one eager decode step of B rows at context C and one
+prefill step of `--max-batched-tokens` tokens of one prompt from position 0, under torch.profiler: each layer's
+device time (its Engram block, attention and the rest: the hyper-connections and MoE), the kernels with the
+most device time, with their share of the step, the launches by the module that made them (issue #20 item 5),
+and the kernels' launch shapes (programs a launch, threads, registers, estimated occupancy: kineto's record of
+each kernel in the profile's Chrome trace). The prefill step's `--max-batched-tokens` must fit the model's
+length (at tiny-68m, --contexts 1100 with --max-batched-tokens 1024).
 `max_seq_len` is raised on the loaded weights when a context needs it (no numeric effect, spec §8).
 
 Usage: python benchmarks/bench_slice.py [--model v41-slice] [--batches 1,16] [--contexts 1024]
@@ -131,7 +133,60 @@ def profiled(engine: LLMEngine, top: int) -> dict:
     return dict(device_ms=total, kernels=sum(e.count for e in kernels), layers=layers, top=every[:top], every=every,
                 outside_ms=parts.get("outside", 0.0), untraced_ms=parts.get("untraced", 0.0),
                 sources=[dict(source=k, launches=n, ms=ms, kernels=sorted(by.items(), key=lambda kv: -kv[1]))
-                         for k, (n, ms, by) in sorted(sources.items(), key=lambda kv: -kv[1][0])])
+                         for k, (n, ms, by) in sorted(sources.items(), key=lambda kv: -kv[1][0])],
+                shapes=launch_shapes(chrome_events(prof)))
+
+
+def chrome_events(prof) -> list[dict]:
+    """The profile's Chrome trace events (the export kineto writes: a kernel's grid, block, registers and
+    CUPTI's occupancy estimate are in its args); [] where the export cannot be read back."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                return json.load(f).get("traceEvents", [])
+        except (OSError, ValueError, AttributeError) as e:
+            print(f"(no launch shapes: the profile's Chrome trace did not read back: {e})")
+            return []
+
+
+def launch_shapes(events: list[dict]) -> list[dict]:
+    """Per kernel, from Chrome trace kernel events: launches, device ms, µs a launch, the programs of a launch
+    (its grid's size) and threads of a program, registers a thread and the mean estimated occupancy, the most
+    device time first. A kernel of fewer programs than the device has SMs (132 on the H200) runs one short
+    wave: its time is latency, not bandwidth or FLOPs."""
+    import math
+
+    by = {}
+    for ev in events:
+        if ev.get("cat") != "kernel":
+            continue
+        args = ev.get("args") or {}
+        k = by.setdefault(ev.get("name", "?"), dict(launches=0, ms=0.0, programs=set(), threads=set(),
+                                                     registers=set(), occupancy=[]))
+        k["launches"] += 1
+        k["ms"] += float(ev.get("dur", 0)) / 1e3
+        for key, field in (("grid", "programs"), ("block", "threads")):
+            if isinstance(args.get(key), list) and args[key]:
+                k[field].add(math.prod(args[key]))
+        if "registers per thread" in args:
+            k["registers"].add(args["registers per thread"])
+        if isinstance(args.get("est. achieved occupancy %"), (int, float)):
+            k["occupancy"].append(args["est. achieved occupancy %"])
+    rows = [dict(name=name, launches=k["launches"], ms=k["ms"], us=1e3 * k["ms"] / k["launches"],
+                 programs=sorted(k["programs"]), threads=sorted(k["threads"]), registers=sorted(k["registers"]),
+                 occupancy=sum(k["occupancy"]) / len(k["occupancy"]) if k["occupancy"] else None)
+            for name, k in by.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def spread(values: list) -> str:
+    """[4, 64] -> "4-64", [64] -> "64", [] -> "-"."""
+    return "-" if not values else str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 
 def short(kernel: str) -> str:
@@ -156,6 +211,13 @@ def print_profile(title: str, r: dict) -> None:
     for x in r["sources"]:
         names = ", ".join(f"{short(k)} {n}" for k, n in x["kernels"][:6])
         print(f"| {x['source'][:60]} | {x['launches']} | {x['ms']:.3f} | {names} |")
+    if r.get("shapes"):
+        print("| kernel | launches | ms | µs a launch | programs a launch | threads a program | registers | "
+              "est. occupancy |")
+        for k in r["shapes"][:15]:
+            occupancy = "-" if k["occupancy"] is None else f"{k['occupancy']:.0f}%"
+            print(f"| {short(k['name'])} | {k['launches']} | {k['ms']:.3f} | {k['us']:.1f} | {spread(k['programs'])} | "
+                  f"{spread(k['threads'])} | {spread(k['registers'])} | {occupancy} |")
 
 
 def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: int) -> dict:
