@@ -14,8 +14,9 @@ prefill step of `--max-batched-tokens` tokens of one prompt from position 0, und
 device time (its Engram block, attention and the rest: the hyper-connections and MoE), the kernels with the
 most device time, with their share of the step, the launches by the module that made them (issue #20 item 5),
 and the kernels' launch shapes (programs a launch, threads, registers, estimated occupancy: kineto's record of
-each kernel in the profile's Chrome trace). The prefill step's `--max-batched-tokens` must fit the model's
-length (at tiny-68m, --contexts 1100 with --max-batched-tokens 1024).
+each kernel in the profile's Chrome trace); then the decode step's bytes floor (`decode_floor`) and the graph
+step against it. The prefill step's `--max-batched-tokens` must fit the model's length (at tiny-68m, --contexts
+1100 with --max-batched-tokens 1024).
 `max_seq_len` is raised on the loaded weights when a context needs it (no numeric effect, spec §8).
 
 Usage: python benchmarks/bench_slice.py [--model v41-slice] [--batches 1,16] [--contexts 1024]
@@ -52,6 +53,37 @@ def load(model: str, max_len: int) -> tuple[object, str, float]:
         weights.args.max_seq_len = max_len
         weights._rope.clear()  # rebuilt at the new length by the runner's warm-up
     return weights, digest, seconds
+
+
+def decode_floor(weights, batch: int, context: int) -> dict:
+    """The bytes a decode step of `batch` rows at `context` must read at least (issue #20 item 3), by part, in
+    GB: every weight but the embedding and Engram tables and the routed experts (`dense`, `head`); the routed
+    experts the step's batch x k picks touch, expected under uniform routing (E·(1 - (1 - k/E)^batch) of a
+    layer's E: 243.8 of 384 at 64 x 6); per row, in the caches' dtype: every layer's window ring (`window`),
+    the index keys each index source scores (all entries of its kv source: `index_keys`), the compressed
+    entries sparse attention reads (min(top-k, entries) a layer that has them: `entries`), its embedding and
+    Engram rows (`rows`). Each read once, nothing written: what the kernels move beyond it is above it."""
+    a = weights.args
+    parts = dict(dense=0.0, head=0.0, routed=0.0)
+    for name, t in [*weights.named_parameters(), *weights.named_buffers()]:
+        size = t.numel() * t.element_size()
+        if name.startswith("embed.") or ".engram.embed." in name:
+            continue
+        parts["routed" if ".ffn.experts." in name else "head" if name.startswith("head.") else "dense"] += size
+    E, k = a.n_routed_experts, a.n_activated_experts
+    parts["routed"] *= 1 - (1 - k / E) ** batch
+    elt = weights.embed.weight.element_size()  # the caches' dtype (model/paged.py allocate_caches)
+    ratio = a.compress_ratios
+    window = a.n_layers * a.window_size * a.head_dim * elt
+    index_keys = sum(context // ratio[a.kv_source_of(s)] * a.index_head_dim * elt
+                     for s in range(a.n_layers) if a.is_index_source(s))
+    entries = sum(min(a.index_topk, context // r) * a.head_dim * elt for r in ratio if r)
+    rows = a.dim * elt + sum(a.n_hash_cols * t.size(1) * t.element_size()  # each Engram layer's table (and scales)
+                             for n, t in weights.named_parameters() if ".engram.embed." in n and t.dim() == 2)
+    parts.update(window=batch * window, index_keys=batch * index_keys, entries=batch * entries, rows=batch * rows)
+    parts = {name: b / GB for name, b in parts.items()}
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def profiled(engine: LLMEngine, top: int) -> dict:
@@ -314,8 +346,14 @@ def main() -> None:
         print(f"prefill {n}x{length}: {seconds:.2f} s in {steps} steps, {n * length / seconds:,.0f} tok/s", flush=True)
     profile = profile_run(engine, *profile_shape, a.profile_top, a.steps) if profile_shape else None
     if profile:
+        floor = decode_floor(weights, profile["batch"], profile["context"])
+        floor_ms = floor["total"] * GB / (ceilings["copy_GBps"] * 1e9) * 1e3
+        profile["decode"]["floor_GB"], profile["decode"]["floor_ms"] = floor, floor_ms
         print_profile(f"decode step, batch {profile['batch']}, context {profile['context']} (CUDA graphs: "
                       f"{profile['decode']['graph_ms_per_step']:.2f} ms/step)", profile["decode"])
+        print(f"bytes floor of that decode step: {floor['total']:.2f} GB (" + ", ".join(
+            f"{name} {gb:.3f}" for name, gb in floor.items() if name != "total") + f"), {floor_ms:.2f} ms at the "
+              f"copy rate: the graph step is {profile['decode']['graph_ms_per_step'] / floor_ms:.2f}x it")
         print_profile(f"prefill step of {profile['prefill_tokens']} tokens from position 0", profile["prefill"])
     engine.shutdown()
     print("\n| hardware | checkpoint | batch | context | variant | ms/step | tokens/s | device busy | peak GB |")

@@ -40,3 +40,25 @@ def test_chrome_events_read_a_real_profile_back():
     events = chrome_events(prof)
     assert any(ev.get("cat") == "cpu_op" for ev in events)
     assert launch_shapes(events) == []  # no device kernels on a CPU profile
+
+
+def test_the_slices_decode_floor_counts_each_part_once():
+    """decode_floor on the slice's released storage (meta tensors: shapes only), at 64 rows and 32k: the
+    routed experts a step touches (64 x 6 picks of 384, uniform), the dense weights and the head, and per row
+    the index keys of the three index sources, the top-k entries of the five compressed layers, the rings."""
+    from bench_slice import decode_floor
+    from model.config import preset
+    from model.released import Storage, storage_model
+
+    a = preset("v41-slice")
+    with torch.device("meta"):
+        model = storage_model(a, Storage())
+    floor = decode_floor(model, 64, 32768)
+    routed = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".ffn.experts." in n) / 1e9
+    assert abs(floor["routed"] / routed - (1 - (1 - 6 / 384) ** 64)) < 1e-12  # 243.8 of 384 experts a layer
+    assert abs(floor["head"] - 129280 * 5120 * 4 / 1e9) < 1e-9  # the fp32 head, read once
+    assert abs(floor["index_keys"] - 64 * (16384 + 32768 + 32768) * 128 * 2 / 1e9) < 1e-9  # ratios 2, 1, 1
+    assert abs(floor["entries"] - 64 * 5 * 512 * 512 * 2 / 1e9) < 1e-9
+    assert abs(floor["window"] - 64 * 7 * 128 * 512 * 2 / 1e9) < 1e-9
+    assert abs(floor["total"] - sum(v for k, v in floor.items() if k != "total")) < 1e-9
+    assert 37 < floor["total"] < 39
