@@ -127,6 +127,8 @@ def profiled(engine: LLMEngine, top: int) -> dict:
         del model.attend
         for h in hooks:
             h.remove()
+        for module in model.weights.modules():
+            module.__dict__.pop("_ranges", None)
     averages = prof.key_averages()
     kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.key.startswith(("layer ", "module "))]  # the ranges' own device spans are not kernels
