@@ -23,6 +23,7 @@ try:  # Triton ships Linux wheels only; elsewhere model/engram.py's torch path i
     import triton.language as tl
 
     from kernels.fp8_gemm import _e4m3_values, _e8m0_values, _round_bf16, hw_fp8
+    from kernels.hc import _sigmoid
 except ImportError:
     triton = None
 
@@ -86,7 +87,7 @@ if triton is not None:
         dot = tl.sum(h * weight * key, axis=1) * rstd * scale
         root = tl.sqrt_rn(tl.maximum(tl.abs(dot), clamp))
         signed = tl.where(dot.to(tl.int32, bitcast=True) < 0, -root, root)  # copysign: -0.0 gives -root
-        gate = tl.div_rn(1.0, 1.0 + tl.exp((-signed).to(tl.float64)).to(tl.float32))  # sigmoid, as kernels/hc.py
+        gate = _sigmoid(signed)  # kernels/hc.py's: the exponential through fp64
         out = h + gate[:, None] * value[None, :]
         tl.store(out_ptr + row * HC * D + at, _round_bf16(out, COMPILED), mask=m)
 

@@ -169,7 +169,7 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float,
         return w, ids
     one = E <= ROUTE_EXPERTS
     block_e = max(16, triton.next_power_of_2(E)) if one else 32
-    sp = w if one else torch.empty(N, E, dtype=torch.float32, device=x.device)
+    sp = w if one else torch.empty(N, E, dtype=torch.float32, device=x.device)  # one launch: sp_ptr unused
     _gate_kernel[(triton.cdiv(N, GATE_ROWS), triton.cdiv(E, block_e))](
         x.contiguous(), weight.contiguous(), bias.contiguous(), sp, ids, w, N, D, E, float(temp), float(route_scale),
         TEMP=temp != 1, ROUTE=one, K=k, NORM=bool(norm and k > 1), BLOCK_N=GATE_ROWS, BLOCK_E=block_e,

@@ -59,7 +59,7 @@ def handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | None, 
     a block's start), the next sublayer's mixes from that stream, and its input before the norm, hc_pre(stream,
     pre). -> (stream, (pre, post, comb) of the next sublayer, that input). With the fused
     launches on (model/attention.py FUSED_LAUNCHES, CUDA): one launch (kernels/hc.py hc_handoff)."""
-    if h.is_cuda and USE_KERNEL and use_fused(h):
+    if USE_KERNEL and use_fused(h):
         return hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, iters, hc_eps, norm_eps)
     if y is not None:
         h = hc_post(y, h, post, comb)

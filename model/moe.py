@@ -36,7 +36,7 @@ def _version(t: torch.Tensor) -> int:
 
 
 class Gate(nn.Module):
-    fused = True  # CUDA: everything after the softplus in one Triton launch (kernels/moe.py `route`), or all of it
+    fused = True  # CUDA: Triton launches (kernels/moe.py `gate`, or `route` after the softplus); False: torch ops
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -219,8 +219,8 @@ class PagedModel:
         """The same for every layer of a forward (computed once, in attend's cache): each query's window list
         [B, S, W], positions < s from the slot's ring (index p % W) and the rest from this chunk (W + p - s),
         -1 for none; and where each position's latent goes in its ring: (state slot, or the trash slot for a
-        position that is padding or not among the row's last W, p % W). The fused launches on
-    (model/attention.py FUSED_LAUNCHES, CUDA): one launch (kernels/paged.py)."""
+        position that is padding or not among the row's last W, p % W). With the fused launches on
+        (model/attention.py FUSED_LAUNCHES, CUDA): one launch (kernels/paged.py)."""
         b, W = step.batch, self.args.window_size
         decode_order = invariant.window_decode_order(b.decode)
         if use_fused(step.positions) and W & (W - 1) == 0:
