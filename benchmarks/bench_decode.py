@@ -134,6 +134,13 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, warmup: int, steps: int, z
         if len(decoded) >= warmup:
             break
     torch.cuda.synchronize()
+    return timed_decode(engine, batch, steps)
+
+
+def timed_decode(engine, batch: int, steps: int) -> dict:
+    """Time the engine's next `steps` steps, each a decode step of all `batch` rows, then run it dry; returns
+    ms/step, tokens/s and the device's busy fraction from the SpanTracer's spans."""
+    tracer = engine.tracer
     start_step, t0 = engine.scheduler.step, time.perf_counter_ns()
     for _ in range(steps):
         engine.step()
@@ -272,6 +279,12 @@ def main() -> None:
                        kernels * ceilings["launch_us_graph"] / 1e3)  # the current kernels' floor
         ref = reference_tokens_per_s(llm, a.prompt_len) if batch == 1 else None
         for variant in a.variants.split(","):
+            # each variant on an engine of its own: on one engine the variant run second took up to 2.6 ms more
+            # host time a step at batch 256, whichever it was (H200, both orders)
+            llm.engine.shutdown()
+            del llm
+            torch.cuda.empty_cache()
+            llm = LLM(a.model, device="cuda", max_num_seqs=batch, max_num_batched_tokens=8192, tracer=SpanTracer())
             set_variant(llm, variant)
             for zos in ((True, False) if variant == "graphs" else (True,)):
                 steps = a.before_steps if variant == "before" else a.steps

@@ -7,7 +7,10 @@ then one engine with enough KV blocks for the largest batch x context. Decode: b
 graph, then `--steps` timed decode steps at temperature 1, ZOS on), graphs and, at batch 1, eager beside
 them. A (batch, context) whose prompts would need more than `--max-prefill-tokens` tokens of prefill is
 skipped and said so (the masked FP4 MoE made the slice's prefill slow; since issue #20 item 3 the grouped
-FP4 kernels run it, kernels/fp4_moe.py).
+FP4 kernels run it, kernels/fp4_moe.py). With `--rows clones` the B rows are one prompt of C tokens prefilled
+(its rate printed: the prefill tokens/s at C) and B - 1 clones of it (benchmarks/clone.py: each its own blocks
+and slot, copied), so 64 rows at 128k cost one prefill of 128k; graphs only, nothing skipped. `--rows
+prefilled,clones` runs both, side by side where the prefilled rows fit.
 Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first token), after one untimed run.
 Profile (`--profile BxC`, issue #20 items 3 and 4): one eager decode step of B rows at context C and one
 prefill step of `--max-batched-tokens` tokens of one prompt from position 0, under torch.profiler: each layer's
@@ -20,7 +23,7 @@ step against it. The prefill step's `--max-batched-tokens` must fit the model's 
 `max_seq_len` is raised on the loaded weights when a context needs it (no numeric effect, spec §8).
 
 Usage: python benchmarks/bench_slice.py [--model v41-slice] [--batches 1,16] [--contexts 1024]
-                                        [--prefill 1x4096] [--profile 64x4096] [--json OUT]
+                                        [--prefill 1x4096] [--profile 64x4096] [--rows prefilled,clones] [--json OUT]
 Prints a line per measurement and markdown rows for benchmarks/RESULTS.md.
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 
 from bench_decode import SpanTracer, decode_run, measure_ceilings
 from bench_prefill import prefill_run
+from clone import cloned_decode_run
 from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerConfig
 from model.config import BLOCK_SIZE, cdiv
@@ -302,8 +306,14 @@ def main() -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=1 << 17)
     p.add_argument("--profile", default="", help="BxC: profile a decode step of B rows at context C, and a prefill step")
     p.add_argument("--profile-top", type=int, default=25, help="kernels listed in each profile")
+    p.add_argument("--rows", default="prefilled",
+                   help="how decode rows get their context: prefilled, clones (benchmarks/clone.py) or both "
+                        "(comma separated)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    rows_modes = set(a.rows.split(","))
+    if not rows_modes or rows_modes - {"prefilled", "clones"}:
+        p.error(f"--rows takes prefilled, clones or both, not {a.rows!r}")
     profile_shape = tuple(map(int, a.profile.split("x"))) if a.profile else None
     batches, contexts = [int(b) for b in a.batches.split(",")], [int(c) for c in a.contexts.split(",")]
     shapes = [tuple(map(int, s.split("x"))) for s in a.prefill.split(",") if s]
@@ -325,8 +335,19 @@ def main() -> None:
     results = []
     for context in contexts:
         for batch in batches:
+            if "clones" in rows_modes and not (batch == 1 and "prefilled" in rows_modes):  # 1 row: no clone
+                engine.runner.use_cuda_graphs, start = True, time.perf_counter()
+                r = cloned_decode_run(engine, batch, context, a.warmup, a.steps, seed=len(results) + 1)
+                r.update(batch=batch, context=context, variant="graphs, clones", wall_s=time.perf_counter() - start,
+                         peak_GB=torch.cuda.max_memory_allocated() / GB)
+                results.append(r)
+                print(f"B={batch:3d} context {context:6d} clones: {r['ms_per_step']:9.2f} ms/step "
+                      f"{r['tokens_per_s']:9.1f} tok/s  busy {r['busy']:.3f}  peak {r['peak_GB']:.1f} GB  (one prompt "
+                      f"prefilled at {r['prefill_tokens_per_s']:,.0f} tok/s; run {r['wall_s']:.0f} s)", flush=True)
+            if "prefilled" not in rows_modes:
+                continue
             if batch * context > a.max_prefill_tokens:
-                print(f"B={batch} context {context}: skipped ({batch * context:,} prompt tokens > "
+                print(f"B={batch} context {context}: prefilled rows skipped ({batch * context:,} prompt tokens > "
                       f"--max-prefill-tokens {a.max_prefill_tokens:,})", flush=True)
                 continue
             for variant in ("graphs", "eager") if batch == 1 else ("graphs",):
@@ -365,6 +386,10 @@ def main() -> None:
     for r in prefills:
         print(f"| {hw} | {a.model} | prefill {r['prompts']}x{r['length']} | {r['seconds']:.2f} s | "
               f"{r['tokens_per_s']:,.0f} tok/s |")
+    for r in results:
+        if "prefill_s" in r:  # a clone run's one prompt
+            print(f"| {hw} | {a.model} | prefill 1x{r['context']} (the clones' source) | {r['prefill_s']:.2f} s | "
+                  f"{r['prefill_tokens_per_s']:,.0f} tok/s |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"hardware": hw, "model": a.model, "digest": digest, "load_s": load_s,

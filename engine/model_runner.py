@@ -32,10 +32,11 @@ import torch
 
 from engine import step as layout
 from engine.step import NCOL, ScheduledBatch
+from kernels import paged as paged_kernel
 from kernels.sampling import sample
 from model import invariant
 from model.config import BLOCK_SIZE, cdiv
-from model.paged import ForwardBatch, PagedModel
+from model.paged import ForwardBatch, PagedModel, use_fused
 from model.parallel import idle_forward
 from model.transformer import Transformer
 
@@ -232,7 +233,10 @@ class ModelRunner:
 
     def _unpack(self, ints: torch.Tensor, S: int, context_len: int, decode: bool):
         """Packed inputs on the device -> (ForwardBatch with the in-flight input tokens remapped by state slot,
-        sampled, seeds, output positions) [B] each."""
+        sampled, seeds, output positions) [B] each. With the fused launches on (CUDA): one launch
+        (kernels/paged.py unpack), which also gives the forward's per-token values."""
+        if use_fused(ints):
+            return paged_kernel.unpack(ints, S, self.next_tokens, context_len, decode)
         columns, ids, tables = layout.split(ints, S)
         remap, start, num_tokens, slots, sampled, seeds, positions = columns.contiguous()  # [B] each
         ids, tables = ids.contiguous(), tables.contiguous()  # [B, S], [B, nb]

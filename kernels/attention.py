@@ -34,13 +34,22 @@ BLOCK_K = 64  # indices per online-softmax block (model/attention.py SPARSE_ATTN
 if triton is not None:
 
     @triton.jit
+    def _mm(a, b, BF16: tl.constexpr):
+        """a·b of bf16 tiles in fp32: the tensor-core dot compiled; under the CPU interpreter, whose bf16 dot is
+        not faithful, in fp32 from the same bf16 values (exact products, fp32 sums)."""
+        if BF16:
+            return tl.dot(a, b)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+    @triton.jit
     def _sparse_attn_kernel(q_ptr, sink_ptr, idx_ptr, out_ptr, scale, S, H, L,
                             sq_b, sq_s, sq_h, si_b, si_s, so_b, so_s, so_h,
                             kv_ptr, NB, skv_b, skv_n,
                             ring_delta, slots_ptr, W, sr_slot, sr_row,
-                            pool_delta, tables_ptr, st_b, PER_BLOCK, sp_blk, sp_row,
+                            pool_delta, tables_ptr, st_b, PER_BLOCK, sp_blk, sp_row, freqs_ptr,
                             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
-                            HAS_RING: tl.constexpr, HAS_POOL: tl.constexpr):
+                            HAS_RING: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr,
+                            BF16: tl.constexpr):
         # The KV row of index j of batch row b lies in one of three sources (see `paged_sparse_attn`):
         # j < W: the ring of b's state slot; W <= j < W + NB: kv[b, j - W]; beyond: compressed entry
         # e = j - W - NB in the paged pool, at (tables[b, e // PER_BLOCK], e % PER_BLOCK). The ring and the
@@ -52,8 +61,20 @@ if triton is not None:
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
         k = tl.arange(0, BLOCK)
-        q = tl.load(q_ptr + b64 * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :],
-                    mask=h[:, None] < H, other=0.0)  # [BLOCK_H, D] bf16
+        q_at = q_ptr + b64 * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :]
+        q = tl.load(q_at, mask=h[:, None] < H, other=0.0)  # [BLOCK_H, D] bf16
+        if ROPE:  # q's RoPE on its last ROPE dims as it loads (kernels/rope.py's operations, the same bf16 q)
+            rope = (d >= D - ROPE)[None, :]
+            on = (h[:, None] < H) & rope
+            even = (d % 2 == 0)[None, :]
+            x = q.to(tl.float32)
+            partner = tl.load(q_at + tl.where(even, 1, -1), mask=on, other=0.0).to(tl.float32)
+            f_at = freqs_ptr + pid.to(tl.int64) * ROPE + 2 * tl.where(rope, (d[None, :] - (D - ROPE)) // 2, 0)
+            c = tl.load(f_at, mask=rope, other=1.0)
+            sn = tl.load(f_at + 1, mask=rope, other=0.0)
+            # even d: a = x, b = partner -> a·c - b·sin; odd d: a = partner, b = x -> a·sin + b·c
+            rotated = tl.where(even, x * c - partner * sn, partner * sn + x * c)
+            q = tl.where(on, rotated, x).to(tl.bfloat16)
         acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
         den = tl.zeros([BLOCK_H], dtype=tl.float32)
         run_max = tl.full([BLOCK_H], -1e30, dtype=tl.float32)  # the sink is not in the max
@@ -72,14 +93,14 @@ if triton is not None:
                 block = tl.load(tables_ptr + b64 * st_b + e // PER_BLOCK, mask=in_pool, other=0).to(tl.int64)
                 offset = tl.where(in_pool, pool_delta + block * sp_blk + (e % PER_BLOCK) * sp_row, offset)
             rows = tl.load(kv_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK, D] bf16
-            scores = tl.dot(q, tl.trans(rows))  # [BLOCK_H, BLOCK] fp32
+            scores = _mm(q, tl.trans(rows), BF16)  # [BLOCK_H, BLOCK] fp32
             scores = tl.where(valid[None, :], scores, float("-inf")) * scale
             prev = run_max
             run_max = tl.maximum(prev, tl.max(scores, axis=1))
             rescale = tl.exp(prev - run_max)
             p = tl.exp(scores - run_max[:, None])
             den = den * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(p.to(tl.bfloat16), rows)
+            acc = acc * rescale[:, None] + _mm(p.to(tl.bfloat16), rows, BF16)
         sink = tl.load(sink_ptr + h, mask=h < H, other=0.0)
         den = den + tl.exp(sink - run_max)
         out = acc / den[:, None]
@@ -87,9 +108,10 @@ if triton is not None:
                  out.to(tl.bfloat16), mask=h[:, None] < H)
 
 
-def applies(q: torch.Tensor) -> bool:
-    """Whether the kernel serves these queries: bf16 on CUDA, a head dim that is a power of two >= 16."""
-    D = q.size(-1)
+def applies(q: torch.Tensor, head_dim: int | None = None) -> bool:
+    """Whether the kernel serves these queries: bf16 on CUDA, a head dim (q's last, or `head_dim` for a tensor
+    of the same device and dtype as the queries will be) that is a power of two >= 16."""
+    D = head_dim or q.size(-1)
     return triton is not None and q.is_cuda and q.dtype == torch.bfloat16 and D >= 16 and D & (D - 1) == 0
 
 
@@ -106,12 +128,13 @@ def config(H: int, D: int) -> dict:
 
 def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.Tensor, kv: torch.Tensor,
                       pool: torch.Tensor | None, tables: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                      scale: float, cfg: dict | None = None) -> torch.Tensor:
+                      scale: float, cfg: dict | None = None, freqs: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse attention over model/paged.py's sources in place, with no gathered copy: index j < W is a
     window position in `ring` [slots, W, D] at row slots[b]; the next S indices are this chunk's window
     latents kv [B, S, D]; the rest are compressed entries of `pool` [blocks, per_block, D] through the
     block tables [B, nb]. ring/pool None: no such source. q [B,S,H,D] bf16, idx [B,S,L] -> [B,S,H,D] bf16.
-    `cfg` overrides `config` (tests, benchmarks)."""
+    `cfg` overrides `config` (tests, benchmarks). `freqs` complex [B,S,R/2]: q comes without its RoPE and the
+    kernel rotates its last R dims as it loads them (kernels/rope.py's operations: the same q, bit for bit)."""
     B, S, H, D = q.shape
     assert q.dtype == kv.dtype == torch.bfloat16 and q.stride(-1) == kv.stride(-1) == 1
     assert all(t is None or (t.dtype == kv.dtype and t.stride(-1) == 1) for t in (ring, pool))
@@ -124,14 +147,16 @@ def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.T
     pool_args = ((delta(pool), tables, tables.stride(0), pool.size(1), pool.stride(0), pool.stride(1))
                  if pool is not None else (0, tables, 0, 1, 0, 0))
     cfg = dict(config(H, D), **(cfg or {}))
+    f = torch.view_as_real(freqs).reshape(B * S, -1).contiguous() if freqs is not None else None  # (cos, sin)
     if B * S:
         grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))
         _sparse_attn_kernel[grid](q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1),
                                   q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1),
                                   out.stride(0), out.stride(1), out.stride(2),
                                   kv, kv.size(1), kv.stride(0), kv.stride(1), *ring_args, *pool_args,
-                                  D=D, BLOCK=BLOCK_K, HAS_RING=ring is not None, HAS_POOL=pool is not None,
-                                  **cfg)
+                                  f if freqs is not None else q, D=D, BLOCK=BLOCK_K, HAS_RING=ring is not None,
+                                  HAS_POOL=pool is not None, ROPE=0 if freqs is None else f.size(-1),
+                                  BF16=q.is_cuda, **cfg)
     return out
 
 

@@ -75,12 +75,13 @@ if triton is not None:
 
     @triton.jit
     def _hc_handoff_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, scale_ptr, base_ptr, cpre_ptr,
-                           mixes_ptr, pre_ptr, next_post_ptr, next_comb_ptr, x_ptr, D, M, iters, hc_eps, mix_eps,
-                           EXPAND: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           mixes_ptr, pre_ptr, next_post_ptr, next_comb_ptr, x_ptr, norm_w_ptr, normed_ptr, D, M,
+                           iters, hc_eps, mix_eps, norm_eps, EXPAND: tl.constexpr, NORM: tl.constexpr,
+                           HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
         # One token, the hyper-connections between two sublayers (see `hc_handoff`): EXPAND, the stream
         # [HC, D] = post·y + combᵀ·h, stored to stream_ptr (else the stream is h as it is); its mixes as
-        # _hc_mixes_kernel, then _split_sinkhorn; then its collapse with cpre, as _hc_pre_kernel.
+        # _hc_mixes_kernel, then _split_sinkhorn; then its collapse with cpre, as _hc_pre_kernel; NORM, that
+        # collapse's RMSNorm as kernels/norm.py's _rms_norm_kernel computes it from the rounded collapse.
         row = tl.program_id(0).to(tl.int64)
         K = HC * D
         m = tl.arange(0, BLOCK_M)
@@ -116,7 +117,14 @@ if triton is not None:
         src = stream_ptr if EXPAND else h_ptr
         h = tl.load(src + row * K + j[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0).to(tl.float32)
         cpre = tl.load(cpre_ptr + row * HC + j)
-        tl.store(x_ptr + row * D + d, tl.sum(cpre[:, None] * h, axis=0).to(x_ptr.dtype.element_ty), mask=d < D)
+        x = tl.sum(cpre[:, None] * h, axis=0).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * D + d, x, mask=d < D)
+        if NORM:
+            xf = x.to(tl.float32)  # 0 past D
+            mean = tl.div_rn(tl.sum(xf * xf, axis=0), D.to(tl.float32))
+            w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            normed = w * (xf * tl.div_rn(1.0, tl.sqrt_rn(mean + norm_eps)))
+            tl.store(normed_ptr + row * D + d, normed.to(normed_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
     def _hc_mixes_kernel(h_ptr, fn_ptr, out_ptr, K, M, norm_eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -191,7 +199,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 
 def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None,
                fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, pre: torch.Tensor, iters: int,
-               hc_eps: float, mix_eps: float):
+               hc_eps: float, mix_eps: float, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0):
     """The hyper-connections between two sublayers in one launch, a program per token (model/hc.py
     `handoff`): the expand of the sublayer before (the stream = hc_post(y, h, post, comb); with y None the
     stream is h, as at a block's start), the mixes of the sublayer after from that stream (`hc_mixes`, then
@@ -199,7 +207,9 @@ def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | Non
     collapsed with `pre` (`hc_pre`). -> (stream [..., hc, d], (pre, post, comb) of the next sublayer,
     x [..., d]): the launches of hc_post, hc_mixes, hc_split_sinkhorn and hc_pre in one. The same operations
     as the separate kernels; the sums over the copies may associate otherwise (another tile shape), so the
-    agreement with them and with the torch path is within fp32 rounding before each bf16 rounding."""
+    agreement with them and with the torch path is within fp32 rounding before each bf16 rounding.
+    With `norm_weight`, also that sublayer's RMSNorm of x (kernels/norm.py's operations on the rounded x, its
+    sum of squares over another tile: within an fp32 ulp of it before the rounding): a fourth value, normed x."""
     hc, d = h.shape[-2:]
     M, lead = fn.size(0), h.shape[:-2]
     h2 = h.contiguous().view(-1, hc, d)
@@ -210,15 +220,18 @@ def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | Non
     next_pre = torch.empty(n, hc, dtype=torch.float32, device=h.device)
     next_post, next_comb = torch.empty_like(next_pre), torch.empty(n, hc, hc, dtype=torch.float32, device=h.device)
     x = torch.empty(n, d, dtype=h.dtype, device=h.device)
+    normed = torch.empty_like(x) if norm_weight is not None else x
     if n:
         args = (y.contiguous(), post.contiguous(), comb.contiguous()) if expand else (h2, mixes, mixes)
         _hc_handoff_kernel[(n,)](args[0], h2, args[1], args[2], stream, fn.contiguous(), scale.contiguous(),
                                  base.contiguous(), pre.contiguous(), mixes, next_pre, next_post, next_comb, x,
-                                 d, M, iters, hc_eps, mix_eps, EXPAND=expand, HC=hc,
+                                 norm_weight if norm_weight is not None else x, normed, d, M, iters, hc_eps,
+                                 mix_eps, norm_eps, EXPAND=expand, NORM=norm_weight is not None, HC=hc,
                                  BLOCK_M=triton.next_power_of_2(M), BLOCK_K=512,
                                  BLOCK_D=triton.next_power_of_2(d), num_warps=8)
-    return (stream.view(*lead, hc, d), (next_pre.view(*lead, hc), next_post.view(*lead, hc),
-                                        next_comb.view(*lead, hc, hc)), x.view(*lead, d))
+    out = (stream.view(*lead, hc, d), (next_pre.view(*lead, hc), next_post.view(*lead, hc),
+                                       next_comb.view(*lead, hc, hc)), x.view(*lead, d))
+    return out + (normed.view(*lead, d),) if norm_weight is not None else out
 
 
 def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

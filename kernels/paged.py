@@ -1,6 +1,6 @@
-"""The paged model's per-step addresses (model/paged.py), each set in one launch: a kv source's
-`compress_addresses`, and the window's (`window_addresses`: each query's window list in [ring | chunk] and
-where each row's latents go in its ring).
+"""The paged model's per-step addresses (model/paged.py), each set in one launch: the step's inputs unpacked
+(`unpack`, engine/model_runner.py), a kv source's `compress_addresses`, and the window's
+(`window_addresses`: each query's window list in [ring | chunk] and where each row's latents go in its ring).
 
 Which positions of a step close a compressed group, the KV block and entry each closing group's entry goes to
 (the trash block for the others), the RoPE factors at each group's position j·r, where each position's group
@@ -71,6 +71,58 @@ if triton is not None:
         keep = (s < n) & (p >= start + n - W)
         tl.store(ring_slots_ptr + q, tl.where(keep, tl.load(slots_ptr + b), trash_slot))
         tl.store(ring_at_ptr + q, p % W)
+
+
+    @triton.jit
+    def _step_inputs_kernel(ints_ptr, next_ptr, cols_ptr, ids_ptr, tables_ptr, pos_ptr, valid_ptr, end_ptr,
+                            rows_ptr, B, S, nb, row_len, NCOL: tl.constexpr, NCOLP: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        # One batch row b of engine/step.py's packed layout [COLUMNS | S ids | nb table entries]: the columns
+        # (remap, start, num_tokens, state_slot, ...) to cols [NCOL, B], the ids with the in-flight first one
+        # from next_tokens[state_slot] where remap, the block table, and the per-token positions and validity.
+        b = tl.program_id(0).to(tl.int64)
+        base = ints_ptr + b * row_len
+        c = tl.arange(0, NCOLP)
+        tl.store(cols_ptr + c * B + b, tl.load(base + c, mask=c < NCOL), mask=c < NCOL)
+        remap, start, n, slot = tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)
+        first = tl.where(remap != 0, tl.load(next_ptr + slot), tl.load(base + NCOL))
+        for s0 in range(0, S, BLOCK):
+            s = s0 + tl.arange(0, BLOCK)
+            live = s < S
+            tl.store(ids_ptr + b * S + s, tl.where(s == 0, first, tl.load(base + NCOL + s, mask=live)), mask=live)
+            tl.store(pos_ptr + b * S + s, start + s, mask=live)
+            tl.store(valid_ptr + b * S + s, s < n, mask=live)
+        for t0 in range(0, nb, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            tl.store(tables_ptr + b * nb + t, tl.load(base + NCOL + S + t, mask=t < nb), mask=t < nb)
+        tl.store(end_ptr + b, start + n)
+        tl.store(rows_ptr + b, b)
+
+
+def unpack(ints: torch.Tensor, S: int, next_tokens: torch.Tensor, context_len: int, decode: bool) -> tuple:
+    """engine/model_runner.py's `_unpack` of a step's packed inputs (engine/step.py's layout) in one launch, with
+    model/paged.py's per-token values: ints [B, NCOL + S + nb] int64 -> (ForwardBatch with the in-flight first
+    ids taken from next_tokens[state_slot] and `per_token` = (positions start + s, valid s < num_tokens,
+    end start + num_tokens, row index [B, 1]), sampled, seeds, output positions): the tensors of the torch
+    lines, exactly (integer copies and arithmetic)."""
+    from engine.step import NCOL
+    from model.paged import ForwardBatch
+
+    B, nb = ints.size(0), ints.size(1) - NCOL - S
+    dev = ints.device
+    cols = torch.empty(NCOL, B, dtype=torch.long, device=dev)
+    ids, positions = (torch.empty(B, S, dtype=torch.long, device=dev) for _ in range(2))
+    tables = torch.empty(B, nb, dtype=torch.long, device=dev)
+    valid = torch.empty(B, S, dtype=torch.bool, device=dev)
+    end, rows = torch.empty(B, dtype=torch.long, device=dev), torch.empty(B, 1, dtype=torch.long, device=dev)
+    if B:
+        ints = ints.contiguous()
+        _step_inputs_kernel[(B,)](ints, next_tokens, cols, ids, tables, positions, valid, end, rows, B, S, nb,
+                                  ints.size(1), NCOL=NCOL, NCOLP=triton.next_power_of_2(NCOL),
+                                  BLOCK=min(1024, triton.next_power_of_2(max(S, nb, 1))))
+    _, start, num_tokens, slots, sampled, seeds, output_positions = cols
+    batch = ForwardBatch(ids, start, num_tokens, tables, slots, context_len, decode, (positions, valid, end, rows))
+    return batch, sampled, seeds, output_positions
 
 
 def window_addresses(batch, W: int, decode_order: bool, trash_slot: int) -> tuple[torch.Tensor, tuple]:

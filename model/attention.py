@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import attention as attention_kernel, indexer as indexer_kernel, latent as latent_kernel, \
-    norm as norm_kernel, quant as quant_kernel, rope as rope_kernel
+    norm as norm_kernel, output as output_kernel, quant as quant_kernel, rope as rope_kernel
 from model import invariant  # batch-invariant mode hooks (issue #11)
 from model.config import ModelArgs
 from model import quant as model_quant
@@ -22,9 +22,10 @@ SPARSE_ATTN_BLOCK = 64  # the kernel's online softmax walks the index list in bl
 # CUDA: the Triton kernels of kernels/ (quantisation sims bit for bit; RMSNorm, RoPE and sparse attention
 # within fp32 rounding). False keeps the torch ops everywhere (the benchmarks' "before"). CPU always uses torch.
 USE_KERNELS = True
-# CUDA, issue #20 item 5: the fused launches (kernels/hc.py handoff, engram.py, latent.py, paged.py, the decode
-# top-k of indexer.py, the gate of moe.py). They move CUDA bits (the H200 example trace is recorded with them on);
-# False gives the separate launches of before (bench_decode.py's "unfused", tests/gpu's comparisons).
+# CUDA, issue #20 item 5: the fused launches (kernels/hc.py handoff with the sublayers' norms, engram.py,
+# latent.py, paged.py, the decode top-k of indexer.py, the gate of moe.py, output.py's inverse RoPE and wo_a).
+# They move CUDA bits (the H200 example trace is recorded with them on); False gives the separate launches of
+# before (bench_decode.py's "unfused", tests/gpu's comparisons).
 FUSED_LAUNCHES = True
 
 
@@ -36,9 +37,10 @@ def use_fused(x: torch.Tensor) -> bool:
     return use_kernels(x) and FUSED_LAUNCHES
 
 
-def use_attention_kernel(q: torch.Tensor) -> bool:
-    """Sparse attention through kernels/attention.py: CUDA, bf16, a power-of-two head dim."""
-    return USE_KERNELS and attention_kernel.applies(q)
+def use_attention_kernel(q: torch.Tensor, head_dim: int | None = None) -> bool:
+    """Sparse attention through kernels/attention.py: CUDA, bf16, a power-of-two head dim (q's last, or
+    `head_dim` when q is the layer's input, before its queries exist)."""
+    return USE_KERNELS and attention_kernel.applies(q, head_dim)
 
 
 def rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -80,7 +82,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.bfloat16))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """`normed`: this norm of x as a fused kernel computed it (kernels/hc.py hc_handoff), returned as it is:
+        the module is still called, so that its hooks see x and the result (tracing/divergence.py taps x)."""
+        if normed is not None:
+            return normed
         if use_kernels(x):
             return norm_kernel.rms_norm(x, self.weight, self.eps)
         xf = x.float()
@@ -220,11 +226,13 @@ class Attention(nn.Module):
         self.compressor = Compressor(args, layer) if args.is_kv_source(layer) else None
         self.indexer = Indexer(args, layer) if args.is_index_source(layer) else None
 
-    def queries(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x bf16 [B,S,d] -> (qr [B,S,ql] shared with the indexer, q [B,S,H,D] with RoPE)."""
+    def queries(self, x: torch.Tensor, freqs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x bf16 [B,S,d] -> (qr [B,S,ql] shared with the indexer, q [B,S,H,D] with RoPE). freqs None: q without
+        its RoPE (the paged model's sparse attention kernel rotates it as it loads it)."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        rope(q[..., -self.rope_dim:], freqs)
+        if freqs is not None:
+            rope(q[..., -self.rope_dim:], freqs)
         return qr, q
 
     def window_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -232,10 +240,14 @@ class Attention(nn.Module):
         return norm_rope_quant(self.wkv(x), self.kv_norm, freqs, self.rope_dim, "fp8", 32)
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """Inverse RoPE, grouped low-rank wo_a (block-diagonal, spec §2.9), then wo_b. [B,S,H,D] -> [B,S,d]."""
+        """Inverse RoPE, grouped low-rank wo_a (block-diagonal, spec §2.9), then wo_b. [B,S,H,D] -> [B,S,d].
+        With the fused launches on (FUSED_LAUNCHES, CUDA, outside the batch-invariant mode): the first two in
+        one launch (kernels/output.py), o left as it is; else o is rotated in place."""
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        if use_fused(o) and not invariant.enabled() and output_kernel.applies(o, wo_a, self.rope_dim):
+            return self.wo_b(output_kernel.rope_wo_a(o, freqs, wo_a, self.rope_dim))
         rope(o[..., -self.rope_dim:], freqs, inverse=True)
         o = o.unflatten(-2, (self.n_groups, -1)).flatten(-2)  # [B,S,G,H·D/G]
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         return self.wo_b(invariant.grouped_linear(o, wo_a).flatten(2))  # einsum bsgd,grd->bsgr
 
 

@@ -54,16 +54,20 @@ def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
 
 def handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None,
             fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, hc_eps: float,
-            norm_eps: float, pre: torch.Tensor):
+            norm_eps: float, pre: torch.Tensor, norm=None):
     """From one sublayer to the next (spec §3): the expand of y into the stream (y None: the stream is h, as at
     a block's start), the next sublayer's mixes from that stream, and its input before the norm, hc_pre(stream,
-    pre). -> (stream, (pre, post, comb) of the next sublayer, that input). With the fused
-    launches on (model/attention.py FUSED_LAUNCHES, CUDA): one launch (kernels/hc.py hc_handoff)."""
+    pre). -> (stream, (pre, post, comb) of the next sublayer, that input, and with `norm` (the sublayer's
+    RMSNorm) that input normed, else None). With the fused launches on (model/attention.py FUSED_LAUNCHES,
+    CUDA): one launch (kernels/hc.py hc_handoff), the norm in it; `norm` is still called, on the input with the
+    kernel's result (RMSNorm's `normed`), so that hooks on it see what they would."""
     if USE_KERNEL and use_fused(h):
-        return hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, iters, hc_eps, norm_eps)
-    if y is not None:
-        h = hc_post(y, h, post, comb)
-    return h, hc_mixes(h, fn, scale, base, hc, iters, hc_eps, norm_eps), hc_pre(h, pre)
+        h, mixes, x, *normed = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, iters, hc_eps, norm_eps,
+                                                    *((norm.weight, norm.eps) if norm is not None else ()))
+        return h, mixes, x, None if norm is None else norm(x, normed=normed[0])
+    h = hc_post(y, h, post, comb) if y is not None else h
+    x = hc_pre(h, pre)
+    return h, hc_mixes(h, fn, scale, base, hc, iters, hc_eps, norm_eps), x, None if norm is None else norm(x)
 
 
 def identity_pre_mix(h: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ class ForwardBatch:
     state_slots: torch.Tensor   # [B] int64
     context_len: int            # >= start + num_tokens of every row: sizes the entry streams
     decode: bool                # every row is one token at a position > 0 (the official decode order)
+    per_token: tuple | None = None  # (positions, valid, end, rows) of _Step when the runner's launch made them
 
 
 @dataclass(slots=True)
@@ -126,9 +127,12 @@ class PagedModel:
         `capture(layer, name, tensor)` sees every module output, as in model/reference.py."""
         w, ids = self.weights, batch.input_ids
         B, S = ids.shape
-        arange = torch.arange(S, device=ids.device)
-        step = _Step(batch, batch.start[:, None] + arange, arange < batch.num_tokens[:, None],
-                     batch.start + batch.num_tokens, torch.arange(B, device=ids.device)[:, None])
+        if batch.per_token is not None:  # kernels/paged.py unpack: the lines below, in the runner's launch
+            step = _Step(batch, *batch.per_token)
+        else:
+            arange = torch.arange(S, device=ids.device)
+            step = _Step(batch, batch.start[:, None] + arange, arange < batch.num_tokens[:, None],
+                         batch.start + batch.num_tokens, torch.arange(B, device=ids.device)[:, None])
         row_ids = self.engram_rows(step)
         h = w.embed_tokens(ids)  # [B, S, hc, d]
         pre_mix = identity_pre_mix(h)
@@ -164,7 +168,9 @@ class PagedModel:
         if ("freqs", bool(r)) not in cache:
             cache["freqs", bool(r)] = self.weights.rope(r, x.device)[step.positions.clamp(max=args.max_seq_len - 1)]
         freqs = cache["freqs", bool(r)]
-        qr, q = attn.queries(x, freqs)
+        # with the fused launches on, q's RoPE happens in sparse attention's load of q (the same bits)
+        rope_at_load = use_fused(x) and use_attention_kernel(x, args.head_dim)
+        qr, q = attn.queries(x, None if rope_at_load else freqs)
         kv = attn.window_kv(x, freqs)
         capture = shared["capture"]
         capture(layer, "window_kv", kv)
@@ -194,7 +200,7 @@ class PagedModel:
                     cache["list"] = attention_list(idx, window_len, torch.where(topk >= 0, topk + W + S, -1),
                                                    compressed_len)
             idx = cache["list"]
-        o = self.sparse_attn(layer, attn, q, kv, ckv_pool, idx, b)
+        o = self.sparse_attn(layer, attn, q, kv, ckv_pool, idx, b, freqs if rope_at_load else None)
         self.write_ring(layer, kv, step, cache)  # after attention: until then the ring holds the positions before s
         capture(layer, "sparse_attn", o)
         out = attn.output(o, freqs)
@@ -202,14 +208,15 @@ class PagedModel:
         return out
 
     def sparse_attn(self, layer: int, attn, q: torch.Tensor, kv: torch.Tensor, ckv_pool: torch.Tensor | None,
-                    idx: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+                    idx: torch.Tensor, b: ForwardBatch, q_freqs: torch.Tensor | None = None) -> torch.Tensor:
         """Spec §2.8 over a row's KV sources, listed in that order by idx [B,S,L]: its slot's window ring
         (index p % W), this chunk's window latents kv [B,S,D] (W + p - s), its compressed entries (W + S + j).
-        CUDA bf16: one kernel reading them where they lie; otherwise the torch path over their copy."""
+        CUDA bf16: one kernel reading them where they lie; otherwise the torch path over their copy.
+        `q_freqs`: q is without its RoPE, which the kernel applies as it loads q (the fused launches only)."""
         ring = self.ring[layer]  # [slots + 1, W, D]
         if use_attention_kernel(q):
             return paged_sparse_attn(q, ring, b.state_slots, kv, ckv_pool, b.block_tables, attn.attn_sink, idx,
-                                     attn.softmax_scale)
+                                     attn.softmax_scale, freqs=q_freqs)
         sources = [ring[b.state_slots], kv]
         if ckv_pool is not None:
             sources.append(self.stream(ckv_pool, b.block_tables, b.context_len // attn.ratio))

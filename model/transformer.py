@@ -46,10 +46,10 @@ class Block(nn.Module):
         """Into the attn or ffn sublayer (model/hc.py handoff): the stream after y's expand (y None: h), that
         sublayer's (pre, post, comb) from it, and its input: the stream collapsed with `pre`, then its norm."""
         a = self.args
-        h, mixes, x = handoff(y, h, post, comb, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
-                              getattr(self, f"hc_{which}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
-                              a.norm_eps, pre)
-        return h, mixes, getattr(self, f"{which}_norm")(x)
+        h, mixes, _, x = handoff(y, h, post, comb, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
+                                 getattr(self, f"hc_{which}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
+                                 a.norm_eps, pre, getattr(self, f"{which}_norm"))
+        return h, mixes, x
 
     def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
         """V4.1 block order with the delayed pre-mix (spec §3): attention input collapsed with the

@@ -169,6 +169,59 @@ def test_hc_handoff_kernel_matches_the_torch_path(expand, d):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("d", [128, 80])
+def test_hc_handoff_kernel_norms_its_collapse_as_the_norm_kernel_does(d):
+    """With the sublayer's norm weight the handoff also returns the RMSNorm of its collapse x, as kernels/norm.py
+    computes it from that x (the sum of squares over another tile: within an fp32 ulp before the rounding, the
+    interpreter truncating the cast), and its other values unchanged."""
+    from kernels import norm as norm_kernel
+
+    g = torch.Generator().manual_seed(d)
+    h, fn, scale, base = hc_inputs(15, d=d, seed=d)
+    y, pre = torch.randn(15, d, generator=g).bfloat16(), torch.rand(15, 4, generator=g)
+    post, comb = torch.rand(15, 4, generator=g), torch.rand(15, 4, 4, generator=g)
+    weight = (torch.rand(d, generator=g) + 0.5).bfloat16()
+    plain = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20)
+    stream, mixes, x, normed = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20,
+                                                    weight, 1e-6)
+    assert torch.equal(stream, plain[0]) and torch.equal(x, plain[2])
+    assert all(torch.equal(a, b) for a, b in zip(mixes, plain[1]))
+    want = norm_kernel.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(normed.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    assert not torch.equal(normed, x)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M, H, D, R, G, rank", [(5, 4, 128, 32, 2, 64), (70, 2, 64, 16, 2, 32), (3, 4, 32, 8, 4, 48)])
+def test_rope_wo_a_kernel_is_the_inverse_rotation_then_the_grouped_gemm(M, H, D, R, G, rank):
+    """kernels/output.py against model/attention.py's CUDA lines (kernels/rope.py's inverse rotation, then the
+    grouped einsum): within fp32 rounding before the bf16 rounding (another order of the GEMM's sums), o left as
+    it is; and with wo_a an identity per group, the rotation itself bit for bit. Shapes: tiny-68m's (4 heads of
+    128, rope 32, 2 groups of rank 64), micro's over 70 rows (more than one row tile), and a group narrower
+    than a head (4 groups of 32 over heads of 32) of a rank that is not a power of two."""
+    from kernels import output as output_kernel, rope as rope_kernel
+    from model.rope import rope_table
+
+    g = torch.Generator().manual_seed(M + D)
+    args = preset("tiny-68m")
+    args.rope_head_dim = R
+    freqs = rope_table(args, 0)[torch.randint(0, 1000, (M,), generator=g)]  # [M, R/2] complex
+    o = torch.randn(M, H, D, generator=g).bfloat16()
+    K = H * D // G
+    wo_a = (torch.randn(G, rank, K, generator=g) * K ** -0.5).bfloat16()
+    before = o.clone()
+    got = output_kernel.rope_wo_a(o, freqs, wo_a, R)
+    assert torch.equal(o, before), "the kernel wrote o"
+    rotated = o.clone()
+    rope_kernel.apply_rope(rotated[..., -R:], freqs, inverse=True)
+    assert not torch.equal(rotated, o)
+    want = torch.einsum("mgk,grk->mgr", rotated.float().view(M, G, K), wo_a.float()).flatten(1)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-5)
+    eye = torch.eye(K).expand(G, K, K).bfloat16().contiguous()
+    assert torch.equal(output_kernel.rope_wo_a(o, freqs, eye, R), rotated.view(M, G * K))
+
+
+@needs_interpreter
 def test_swiglu_route_kernel_matches_the_grouped_torch_path(moe):
     """Within a bf16 ulp (the interpreter's bf16 cast truncates; tests/gpu checks the compiled kernel)."""
     from kernels.moe import swiglu_route
@@ -191,7 +244,7 @@ def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
     """The paged kernel reads a row's window ring (by state slot), its chunk's latents and its compressed
     entries (through the block table) where they lie: the same result as the plain kernel over their
     gathered copy. (The interpreter's bf16 dot is not faithful, so the numerics against the torch path are
-    checked compiled, in tests/gpu; here both sides run the same interpreted arithmetic.)"""
+    checked compiled, in tests/gpu; here both sides run the same interpreted arithmetic, the dots in fp32.)"""
     from kernels.attention import paged_sparse_attn, sparse_attn
 
     B, H, D, W, per_block, n_blocks, L = 3, 2, 16, 8, 4, 12, 24
@@ -205,6 +258,33 @@ def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
     gathered = torch.cat([ring[slots], kv, pool[tables].flatten(1, 2)], dim=1)
     assert torch.equal(paged_sparse_attn(q, ring, slots, kv, pool, tables, sink, idx, D ** -0.5),
                        sparse_attn(q, gathered, sink, idx, D ** -0.5))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("S", [1, 7])
+def test_paged_sparse_attention_rotates_q_as_it_loads_it_as_the_rope_kernel_does(S):
+    """With `freqs` the kernel takes q without its RoPE and rotates its last R dims as it loads them: the same
+    result as q rotated first by kernels/rope.py (the same bf16 q), bit for bit; and not the unrotated one."""
+    from kernels import rope as rope_kernel
+    from kernels.attention import paged_sparse_attn
+    from model.rope import rope_table
+
+    B, H, D, R, W, per_block, n_blocks, L = 3, 2, 32, 16, 8, 4, 12, 24
+    g = torch.Generator().manual_seed(S + 10)
+    args = preset("tiny-68m")
+    args.rope_head_dim = R
+    freqs = rope_table(args, 0)[torch.randint(0, 500, (B, S), generator=g)]  # [B, S, R/2] complex
+    q = torch.randn(B, S, H, D, generator=g).bfloat16()
+    ring, kv = torch.randn(5, W, D, generator=g).bfloat16(), torch.randn(B, S, D, generator=g).bfloat16()
+    pool = torch.randn(n_blocks, per_block, D, generator=g).bfloat16()
+    slots, tables = torch.randperm(5, generator=g)[:B], torch.randperm(n_blocks, generator=g)[:B * 3].view(B, 3)
+    sink, idx = torch.randn(H, generator=g), torch.randint(-1, W + S + 3 * per_block, (B, S, L), generator=g)
+    rotated = q.clone()
+    rope_kernel.apply_rope(rotated[..., -R:], freqs)
+    sources = (ring, slots, kv, pool, tables, sink, idx, D ** -0.5)
+    got = paged_sparse_attn(q, *sources, freqs=freqs)
+    assert torch.equal(got, paged_sparse_attn(rotated, *sources))
+    assert not torch.equal(got, paged_sparse_attn(q, *sources))
 
 
 @needs_interpreter
@@ -519,3 +599,33 @@ def test_window_addresses_kernel_gives_the_torch_tensors(decode):
     assert torch.equal(got_window, window)
     assert torch.equal(got_ring[0], ring_at[0]) and torch.equal(got_ring[1], ring_at[1])
     assert (window == -1).any() and (window >= args.window_size).any() and (decode or (ring_at[0] == 9).any())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("S, nb", [(1, 3), (7, 2), (1100, 9)])
+def test_unpack_kernel_gives_the_runners_batch_and_the_forwards_per_token_values(S, nb):
+    """kernels/paged.py unpack against engine/model_runner.py's torch unpacking (the in-flight first id from the
+    next-token buffer where remap is 1) and model/paged.py's per-token values: the same tensors."""
+    from engine import step as layout
+    from engine.model_runner import ModelRunner
+    from kernels import paged as paged_kernel
+
+    g = torch.Generator().manual_seed(S + nb)
+    B = 5
+    ints = torch.randint(0, 1000, (B, layout.NCOL + S + nb), generator=g)
+    ints[:, 0] = torch.tensor([1, 0, 1, 0, 0])  # remap
+    ints[:, 1] = torch.randint(0, 5000, (B,), generator=g)  # start
+    ints[:, 2] = torch.randint(1, S + 1, (B,), generator=g)  # num_tokens
+    ints[:, 3] = torch.tensor([4, 0, 7, 2, 9])  # state slots (9: the trash slot)
+    runner = SimpleNamespace(next_tokens=torch.randint(0, 1000, (10,), generator=g))
+    got = paged_kernel.unpack(ints, S, runner.next_tokens, 160, S == 1)
+    want = ModelRunner._unpack(runner, ints.clone(), S, 160, S == 1)  # the torch lines (CPU: not fused)
+    for name in ("input_ids", "start", "num_tokens", "block_tables", "state_slots"):
+        assert torch.equal(getattr(got[0], name), getattr(want[0], name)), name
+    assert (got[0].context_len, got[0].decode) == (160, S == 1) and want[0].per_token is None
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], want[1:]))
+    positions, valid, end, rows = got[0].per_token
+    start, num, arange = want[0].start, want[0].num_tokens, torch.arange(S)
+    assert torch.equal(positions, start[:, None] + arange) and torch.equal(valid, arange < num[:, None])
+    assert torch.equal(end, start + num) and torch.equal(rows, torch.arange(B)[:, None])
+    assert not torch.equal(got[0].input_ids, layout.split(ints, S)[1]), "no in-flight id was taken"

@@ -87,6 +87,29 @@ def test_compiled_hc_handoff_matches_the_separate_kernels_and_the_torch_path(n, 
               f"{(x != want[2]).float().mean().item():.3%} of x differ")
 
 
+@pytest.mark.parametrize("n, d", [(64, 128), (64, 5120)])
+def test_compiled_hc_handoff_norm_matches_the_norm_kernel(n, d):
+    """The handoff's RMSNorm of its collapse (issue #20 item 5: the attn_norm and ffn_norm launches folded in)
+    against kernels/norm.py on the same x, compiled: within a bf16 ulp (another tile sums the squares)."""
+    from kernels import hc as hc_kernel, norm as norm_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    h = torch.randn(n, 4, d, device="cuda", generator=g).bfloat16()
+    y = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+    post, comb = torch.rand(n, 4, device="cuda", generator=g) * 2, torch.rand(n, 4, 4, device="cuda", generator=g)
+    fn = torch.randn(24, 4 * d, device="cuda", generator=g) * 0.05
+    scale, base = torch.randn(3, device="cuda", generator=g), torch.randn(24, device="cuda", generator=g)
+    pre = torch.rand(n, 4, device="cuda", generator=g)
+    weight = (torch.rand(d, device="cuda", generator=g) + 0.5).bfloat16()
+    plain = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20)
+    stream, mixes, x, normed = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20,
+                                                    weight, 1e-6)
+    assert torch.equal(stream, plain[0]) and torch.equal(x, plain[2])
+    want = norm_kernel.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(normed.float(), want.float(), rtol=2 ** -7, atol=2 ** -16)
+    print(f"d={d}: {(normed != want).float().mean().item():.3%} of the normed x differ from the norm kernel's")
+
+
 @pytest.mark.parametrize("S", [1, 33])
 def test_compiled_sparse_attention_config_keeps_the_one_block_bits(S):
     """At the slice's widths (64 heads of 512, 640 indices), compiled: the configuration `config` picks
@@ -143,15 +166,10 @@ def test_compiled_sparse_attention_matches_the_torch_path(shape):
     print(f"{shape}: {(out != want).float().mean().item():.2%} of outputs differ")
 
 
-@pytest.mark.parametrize("S", [1, 150])
-def test_paged_sparse_attention_reads_ring_chunk_and_blocks_in_place(S):
-    """The paged form (window ring by state slot, this chunk's latents, compressed entries through the block
-    table) gives the bits of the plain kernel over the gathered, concatenated copy of the same rows."""
-    from kernels.attention import paged_sparse_attn, sparse_attn
-
-    B, H, D, W, per_block, n_blocks, L = 5, 4, 128, 128, 64, 40, 192
-    g = torch.Generator(device="cuda").manual_seed(S)
-    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+def paged_sources(g, B: int, S: int, H: int, D: int, W: int = 128, per_block: int = 64, n_blocks: int = 40,
+                  L: int = 192) -> tuple:
+    """paged_sparse_attn's sources after q, on CUDA: a ring of 9 slots of W rows, the chunk's latents, a pool of
+    n_blocks blocks, each of B rows' state slot and 6 blocks, the sink and L indices a query over all of them."""
     ring = torch.randn(9, W, D, device="cuda", generator=g).bfloat16()
     kv = torch.randn(B, S, D, device="cuda", generator=g).bfloat16()
     pool = torch.randn(n_blocks, per_block, D, device="cuda", generator=g).bfloat16()
@@ -159,9 +177,72 @@ def test_paged_sparse_attention_reads_ring_chunk_and_blocks_in_place(S):
     tables = torch.randperm(n_blocks, device="cuda", generator=g)[:B * 6].view(B, 6)
     sink = torch.randn(H, device="cuda", generator=g)
     idx = torch.randint(-1, W + S + 6 * per_block, (B, S, L), device="cuda", generator=g)
+    return ring, slots, kv, pool, tables, sink, idx
+
+
+@pytest.mark.parametrize("S", [1, 150])
+def test_paged_sparse_attention_reads_ring_chunk_and_blocks_in_place(S):
+    """The paged form (window ring by state slot, this chunk's latents, compressed entries through the block
+    table) gives the bits of the plain kernel over the gathered, concatenated copy of the same rows."""
+    from kernels.attention import paged_sparse_attn, sparse_attn
+
+    B, H, D = 5, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+    ring, slots, kv, pool, tables, sink, idx = paged_sources(g, B, S, H, D)
     got = paged_sparse_attn(q, ring, slots, kv, pool, tables, sink, idx, D ** -0.5)
     gathered = torch.cat([ring[slots], kv, pool[tables].flatten(1, 2)], dim=1)
     assert torch.equal(got, sparse_attn(q, gathered, sink, idx, D ** -0.5))
+
+
+@pytest.mark.parametrize("S, H, D, R", [(1, 4, 128, 32), (150, 4, 128, 32), (1, 64, 512, 64), (33, 64, 512, 64)])
+def test_compiled_paged_sparse_attention_rotates_q_at_load_bit_for_bit(S, H, D, R):
+    """q's RoPE in the kernel's load (issue #20 item 5: the q RoPE launches folded in) gives the bits of q rotated
+    first by kernels/rope.py, compiled, at tiny-68m's and the slice's head shapes."""
+    from kernels import rope as rope_kernel
+    from kernels.attention import paged_sparse_attn
+    from model.rope import rope_table
+
+    B = 5
+    g = torch.Generator(device="cuda").manual_seed(S + H)
+    args = preset("tiny-68m")
+    args.rope_head_dim = R
+    freqs = rope_table(args, 0, "cuda")[torch.randint(0, 1000, (B, S), device="cuda", generator=g)]
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+    sources = (*paged_sources(g, B, S, H, D), D ** -0.5)
+    rotated = q.clone()
+    rope_kernel.apply_rope(rotated[..., -R:], freqs)
+    got = paged_sparse_attn(q, *sources, freqs=freqs)
+    want = paged_sparse_attn(rotated, *sources)
+    print(f"S={S} H={H} D={D}: {(got != want).float().mean().item():.4%} of outputs differ")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("M, H, D, R, G, rank", [(64, 4, 128, 32, 2, 64), (1000, 4, 128, 32, 2, 64),
+                                                 (64, 64, 512, 64, 8, 1024)])
+def test_compiled_rope_wo_a_matches_the_rope_kernel_and_the_grouped_gemm(M, H, D, R, G, rank):
+    """kernels/output.py compiled (issue #20 item 5: the o RoPE, the group-major copy and the batched GEMM in one
+    launch) against kernels/rope.py's inverse rotation and the grouped einsum (cuBLAS): within a bf16 ulp; with
+    an identity wo_a the rotation itself, bit for bit. Shapes of tiny-68m (decode, prefill) and the slice."""
+    from kernels import output as output_kernel, rope as rope_kernel
+    from model.rope import rope_table
+
+    g = torch.Generator(device="cuda").manual_seed(M + D)
+    args = preset("tiny-68m")
+    args.rope_head_dim = R
+    freqs = rope_table(args, 0, "cuda")[torch.randint(0, 1000, (M,), device="cuda", generator=g)]
+    o = torch.randn(M, H, D, device="cuda", generator=g).bfloat16()
+    K = H * D // G
+    wo_a = (torch.randn(G, rank, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    got = output_kernel.rope_wo_a(o, freqs, wo_a, R)
+    rotated = o.clone()
+    rope_kernel.apply_rope(rotated[..., -R:], freqs, inverse=True)
+    want = torch.einsum("mgk,grk->mgr", rotated.view(M, G, K), wo_a).flatten(1)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -12)
+    print(f"M={M} D={D}: {(got != want).float().mean().item():.3%} of outputs differ from cuBLAS's")
+    if K <= 512:
+        eye = torch.eye(K, device="cuda").expand(G, K, K).bfloat16().contiguous()
+        assert torch.equal(output_kernel.rope_wo_a(o, freqs, eye, R), rotated.view(M, G * K))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

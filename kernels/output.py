@@ -1,0 +1,87 @@
+"""The attention output's first half (spec §2.9) in one Triton launch: the inverse RoPE of each head's last R dims
+and the grouped low-rank wo_a, written as the [rows, G·r] input of wo_b.
+
+model/attention.py `Attention.output` takes three launches and two copies for it on CUDA: kernels/rope.py's
+inverse rotation in place, the copy of o into group-major order, the batched GEMM (einsum "bsgd,grd->bsgr"),
+and the copy of its [G, rows, r] result back to [rows, G·r]. Here a program owns a tile of rows of one group:
+it loads o where it lies, rotates the rope dims as it loads them (kernels/rope.py's operations: (a, b) ->
+(a·c - b·d, a·d + b·c) with d = -sin, in fp32, rounded once to bf16, so the GEMM's input is the rotated o bit
+for bit), multiplies by the group's wo_a in fp32 (tl.dot) and stores the bf16 result in place. The GEMM sums
+its products in another order than cuBLAS: the result agrees within fp32 rounding before its bf16 rounding.
+The attention's o is not changed (the torch path rotates it in place; the debugger taps it before, so both
+forms show the same `sparse_attn`).
+"""
+import torch
+
+try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch path is the only path.
+    import triton
+    import triton.language as tl
+
+    from kernels.fp8_gemm import _dot
+except ImportError:
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_wo_a_kernel(o_ptr, freqs_ptr, w_ptr, out_ptr, M, RANK, HD: tl.constexpr, K: tl.constexpr,
+                          D: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out[m, g·RANK + n] = Σ_k rope⁻¹(o)[m, g·K + k] · w[g, n, k]: o [M, HD] (H heads of D), K = HD / G,
+        # w [G, RANK, K], freqs [M, R/2, 2] (cos, sin) of each row's position, out [M, G·RANK]
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = tl.program_id(2)
+        live = rows < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kin = k < K
+            dim = k % D  # within its head
+            rope = (dim >= D - R) & kin
+            at = o_ptr + rows.to(tl.int64)[:, None] * HD + (g * K + k)[None, :]
+            x = tl.load(at, mask=live[:, None] & kin[None, :], other=0.0).to(tl.float32)
+            even = (k % 2 == 0)[None, :]
+            on = live[:, None] & rope[None, :]
+            partner = tl.load(at + tl.where(even, 1, -1), mask=on, other=0.0).to(tl.float32)
+            pair = tl.where(rope, (dim - (D - R)) // 2, 0)
+            f_at = freqs_ptr + rows.to(tl.int64)[:, None] * R + 2 * pair[None, :]
+            c = tl.load(f_at, mask=on, other=1.0)
+            d = tl.load(f_at + 1, mask=on, other=0.0) * -1.0  # the inverse rotation conjugates
+            # even k: a = x, b = partner -> a·c - b·d; odd k: a = partner, b = x -> a·d + b·c
+            rotated = tl.where(even, x * c - partner * d, partner * d + x * c)
+            a = tl.where(on, rotated, x).to(tl.bfloat16)
+            w = tl.load(w_ptr + g * RANK * K + n[None, :].to(tl.int64) * K + k[:, None],
+                        mask=kin[:, None] & (n < RANK)[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc = _dot(a, w, acc, BF16)  # compiled: a bf16 tensor-core dot; the interpreter: fp32 (exact products)
+        out_at = out_ptr + rows.to(tl.int64)[:, None] * (tl.num_programs(2) * RANK) + (g * RANK + n)[None, :]
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & (n < RANK)[None, :])
+
+
+def applies(o: torch.Tensor, wo_a: torch.Tensor, rope_dim: int) -> bool:
+    """CUDA (or the interpreter), bf16 o [..., H, D] contiguous with H·D a multiple of the groups, bf16 wo_a
+    [G, r, H·D/G], a group's width a multiple of 16 (the tile) and the rope dims even, within one head."""
+    if triton is None or o.dtype != torch.bfloat16 or wo_a.dtype != torch.bfloat16 or not o.is_contiguous():
+        return False
+    G, _, K = wo_a.shape
+    H, D = o.shape[-2:]
+    return H * D == G * K and K % 16 == 0 and rope_dim % 2 == 0 and 0 < rope_dim <= D and wo_a.is_contiguous()
+
+
+def rope_wo_a(o: torch.Tensor, freqs: torch.Tensor, wo_a: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """o [..., H, D] bf16 (left as it is), freqs complex [..., R/2] (each row's position), wo_a [G, r, H·D/G]
+    -> [..., G·r] bf16: wo_a of the inverse-rotated o, group by group (see the module docstring)."""
+    lead, (H, D) = o.shape[:-2], o.shape[-2:]
+    G, rank, K = wo_a.shape
+    M = o.numel() // (H * D)
+    f = torch.view_as_real(freqs).reshape(M, rope_dim)  # (cos, sin) pairs
+    out = torch.empty(M, G * rank, dtype=o.dtype, device=o.device)
+    if M:
+        block_m = 16 if M <= 64 else 64
+        block_n = min(64, triton.next_power_of_2(rank))
+        block_k = min(64, triton.next_power_of_2(K))
+        grid = (triton.cdiv(M, block_m), triton.cdiv(rank, block_n), G)
+        _rope_wo_a_kernel[grid](o, f.contiguous(), wo_a, out, M, rank, HD=H * D, K=K, D=D, R=rope_dim,
+                                BF16=o.is_cuda, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.view(*lead, G * rank)
