@@ -120,8 +120,10 @@ def set_variant(llm: LLM, name: str) -> None:
     llm.engine.runner.graphs.clear()  # a graph replays the kernels it captured: each variant captures its own
 
 
-def decode_run(llm: LLM, batch: int, prompt_len: int, warmup: int, steps: int, zos: bool, seed: int) -> dict:
-    """Time `steps` decode steps of `batch` rows; returns ms/step, tokens/s and device busy."""
+def decode_run(llm: LLM, batch: int, prompt_len: int, warmup: int, steps: int, zos: bool, seed: int,
+               probe=None) -> dict:
+    """Time `steps` decode steps of `batch` rows; returns ms/step, tokens/s and device busy (and `probe`'s
+    values: `timed_decode`)."""
     engine, tracer = llm.engine, llm.engine.tracer
     engine.enable_zos = zos
     for request in random_requests(random.Random(seed), batch, (prompt_len, prompt_len),
@@ -134,26 +136,54 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, warmup: int, steps: int, z
         if len(decoded) >= warmup:
             break
     torch.cuda.synchronize()
-    return timed_decode(engine, batch, steps)
+    return timed_decode(engine, batch, steps, probe)
 
 
-def timed_decode(engine, batch: int, steps: int) -> dict:
+def timed_decode(engine, batch: int, steps: int, probe=None) -> dict:
     """Time the engine's next `steps` steps, each a decode step of all `batch` rows, then run it dry; returns
-    ms/step, tokens/s and the device's busy fraction from the SpanTracer's spans."""
+    ms/step, tokens/s and the device's busy fraction from the SpanTracer's spans, and with `probe(engine)`
+    (run after the timed steps, on the same rows) what it returns."""
     tracer = engine.tracer
     start_step, t0 = engine.scheduler.step, time.perf_counter_ns()
     for _ in range(steps):
         engine.step()
-    t1 = time.perf_counter_ns()
+    t1 = time.perf_counter_ns()  # the host's end of the window; the device may still run its last steps
     timed = range(start_step, start_step + steps)
     assert all(tracer.kinds[s] == ("decode", batch) for s in timed), "a timed step was not a full decode step"
+    probed = probe(engine) if probe else {}
     while engine.has_unfinished():
         engine.step()
     # every step's span is known once all are processed; the device may work on a step from before
     # the window (under ZOS it is still in flight at t0), so every span is clipped to [t0, t1]
     spans = list(tracer.spans.values())
     ms = (t1 - t0) / 1e6 / steps
-    return {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "busy": busy_fraction(spans, t0, t1)}
+    return {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "busy": busy_fraction(spans, t0, t1), **probed}
+
+
+def routed_experts(engine) -> dict:
+    """A probe for `timed_decode`: one more decode step of the same rows, eager (hooks do not run in a CUDA
+    graph's replay), counting the distinct routed experts each layer's gate picks for the step's rows: what the
+    routed experts' bytes floor takes at their uniform-routing expectation (bench_slice.py `decode_floor`).
+    -> {"experts_per_layer": the mean over layers, "experts_expected": E·(1 - (1 - k/E)^rows)}."""
+    runner, picked = engine.runner, []
+    layers = runner.model.weights.layers
+    hooks = [block.ffn.gate.register_forward_hook(lambda module, args, out: picked.append(out[1].unique().numel()))
+             for block in layers]
+    graphs, runner.use_cuda_graphs = runner.use_cuda_graphs, False
+    try:
+        step = engine.scheduler.step
+        engine.step()
+        rows = engine.tracer.kinds[step][1]
+        if engine.in_flight is not None:  # ZOS: the step's forward ran at its execute, its result waits
+            engine.process(engine.in_flight)
+            engine.in_flight = None
+    finally:
+        runner.use_cuda_graphs = graphs
+        for h in hooks:
+            h.remove()
+    a = runner.model.args
+    E, k = a.n_routed_experts, a.n_activated_experts
+    return {"experts_per_layer": sum(picked) / len(picked), "experts_expected": E * (1 - (1 - k / E) ** rows)}
 
 
 def count_kernels(llm: LLM, batch: int, prompt_len: int, top: int = 0, fused: bool = True) -> int:

@@ -9,8 +9,10 @@ them. A (batch, context) whose prompts would need more than `--max-prefill-token
 skipped and said so (the masked FP4 MoE made the slice's prefill slow; since issue #20 item 3 the grouped
 FP4 kernels run it, kernels/fp4_moe.py). With `--rows clones` the B rows are one prompt of C tokens prefilled
 (its rate printed: the prefill tokens/s at C) and B - 1 clones of it (benchmarks/clone.py: each its own blocks
-and slot, copied), so 64 rows at 128k cost one prefill of 128k; graphs only, nothing skipped. `--rows
-prefilled,clones` runs both, side by side where the prefilled rows fit.
+and slot, copied), so 64 rows at 128k cost one prefill of 128k; graphs only, nothing skipped, and the profile
+too is over clones. `--rows prefilled,clones` runs both, side by side where the prefilled rows fit. Every
+decode run also counts the routed experts each layer's gate picked in one more (eager) step of its rows, beside
+the uniform-routing expectation the bytes floor takes (bench_decode.py `routed_experts`).
 Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first token), after one untimed run.
 Profile (`--profile BxC`, issue #20 items 3 and 4): one eager decode step of B rows at context C and one
 prefill step of `--max-batched-tokens` tokens of one prompt from position 0, under torch.profiler: each layer's
@@ -36,9 +38,9 @@ from types import SimpleNamespace
 
 import torch
 
-from bench_decode import SpanTracer, decode_run, measure_ceilings
+from bench_decode import SpanTracer, decode_run, measure_ceilings, routed_experts
 from bench_prefill import prefill_run
-from clone import cloned_decode_run
+from clone import clone_prefilled, cloned_decode_run
 from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerConfig
 from model.config import BLOCK_SIZE, cdiv
@@ -258,15 +260,21 @@ def print_profile(title: str, r: dict) -> None:
                   f"{spread(k['threads'])} | {spread(k['registers'])} | {occupancy} |")
 
 
-def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: int) -> dict:
+def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: int, clones: bool = False) -> dict:
     """Profile one eager decode step of `batch` rows at `context`, then time `timed` decode steps of the same rows
-    with CUDA graphs and ZOS on (after 2 steps of capture), then profile one full prefill step from 0."""
+    with CUDA graphs and ZOS on (after 2 steps of capture), then profile one full prefill step from 0. `clones`:
+    the rows are one prompt prefilled and batch - 1 clones of it (benchmarks/clone.py)."""
     from engine.sequence import SamplingParams
 
     engine.runner.use_cuda_graphs, zos, engine.enable_zos = False, engine.enable_zos, False
-    for i in range(batch):
-        engine.add_request([3 + (i * 7 + j) % 1000 for j in range(context)],
-                           SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 2 + timed, ignore_eos=True))
+    ids = [engine.add_request([3 + (i * 7 + j) % 1000 for j in range(context)],
+                              SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 2 + timed, ignore_eos=True))
+           for i in range(1 if clones else batch)]
+    if clones:
+        source = ids[0]
+        while engine.scheduler.seqs[source].num_output_tokens == 0:
+            engine.step()
+        clone_prefilled(engine, source, list(range(1, batch)))
     while engine.tracer.kinds.get(engine.scheduler.step - 1) != ("decode", batch):
         engine.step()  # every prompt's prefill, then the first decode step of all rows
     engine.step()  # one more decode step of all rows (warm)
@@ -292,6 +300,11 @@ def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: in
         engine.step()
     engine.runner.use_cuda_graphs, engine.enable_zos = True, zos
     return dict(batch=batch, context=context, decode=decode, prefill_tokens=tokens, prefill=prefill)
+
+
+def experts(r: dict) -> str:
+    """A decode run's routed experts a layer (bench_decode.py `routed_experts`) against the uniform expectation."""
+    return f"{r['experts_per_layer']:.1f} experts a layer, {r['experts_expected']:.1f} expected"
 
 
 def main() -> None:
@@ -337,13 +350,15 @@ def main() -> None:
         for batch in batches:
             if "clones" in rows_modes and not (batch == 1 and "prefilled" in rows_modes):  # 1 row: no clone
                 engine.runner.use_cuda_graphs, start = True, time.perf_counter()
-                r = cloned_decode_run(engine, batch, context, a.warmup, a.steps, seed=len(results) + 1)
+                r = cloned_decode_run(engine, batch, context, a.warmup, a.steps, seed=len(results) + 1,
+                                      probe=routed_experts)
                 r.update(batch=batch, context=context, variant="graphs, clones", wall_s=time.perf_counter() - start,
                          peak_GB=torch.cuda.max_memory_allocated() / GB)
                 results.append(r)
                 print(f"B={batch:3d} context {context:6d} clones: {r['ms_per_step']:9.2f} ms/step "
                       f"{r['tokens_per_s']:9.1f} tok/s  busy {r['busy']:.3f}  peak {r['peak_GB']:.1f} GB  (one prompt "
-                      f"prefilled at {r['prefill_tokens_per_s']:,.0f} tok/s; run {r['wall_s']:.0f} s)", flush=True)
+                      f"prefilled at {r['prefill_tokens_per_s']:,.0f} tok/s; run {r['wall_s']:.0f} s; {experts(r)})",
+                      flush=True)
             if "prefilled" not in rows_modes:
                 continue
             if batch * context > a.max_prefill_tokens:
@@ -353,13 +368,13 @@ def main() -> None:
             for variant in ("graphs", "eager") if batch == 1 else ("graphs",):
                 engine.runner.use_cuda_graphs = variant == "graphs"
                 start = time.perf_counter()
-                r = decode_run(llm, batch, context, a.warmup, a.steps, True, seed=len(results))
+                r = decode_run(llm, batch, context, a.warmup, a.steps, True, seed=len(results), probe=routed_experts)
                 r.update(batch=batch, context=context, variant=variant, wall_s=time.perf_counter() - start,
                          peak_GB=torch.cuda.max_memory_allocated() / GB)
                 results.append(r)
                 print(f"B={batch:3d} context {context:6d} {variant:6s}: {r['ms_per_step']:9.2f} ms/step "
                       f"{r['tokens_per_s']:9.1f} tok/s  busy {r['busy']:.3f}  peak {r['peak_GB']:.1f} GB  "
-                      f"(run {r['wall_s']:.0f} s with its prefill)", flush=True)
+                      f"(run {r['wall_s']:.0f} s with its prefill; {experts(r)})", flush=True)
     engine.runner.use_cuda_graphs = True
     prefills = []
     for n, length in shapes:
@@ -367,7 +382,8 @@ def main() -> None:
         seconds, steps = prefill_run(engine, n, length, seed=8)
         prefills.append(dict(prompts=n, length=length, seconds=seconds, steps=steps, tokens_per_s=n * length / seconds))
         print(f"prefill {n}x{length}: {seconds:.2f} s in {steps} steps, {n * length / seconds:,.0f} tok/s", flush=True)
-    profile = profile_run(engine, *profile_shape, a.profile_top, a.steps) if profile_shape else None
+    profile = profile_run(engine, *profile_shape, a.profile_top, a.steps, clones=a.rows == "clones") \
+        if profile_shape else None
     if profile:
         floor = decode_floor(weights, profile["batch"], profile["context"])
         floor_ms = floor["total"] * GB / (ceilings["copy_GBps"] * 1e9) * 1e3
@@ -379,10 +395,12 @@ def main() -> None:
               f"copy rate: the graph step is {profile['decode']['graph_ms_per_step'] / floor_ms:.2f}x it")
         print_profile(f"prefill step of {profile['prefill_tokens']} tokens from position 0", profile["prefill"])
     engine.shutdown()
-    print("\n| hardware | checkpoint | batch | context | variant | ms/step | tokens/s | device busy | peak GB |")
+    print("\n| hardware | checkpoint | batch | context | variant | ms/step | tokens/s | device busy | peak GB | "
+          "experts a layer (expected) |")
     for r in results:
         print(f"| {hw} | {a.model} | {r['batch']} | {r['context']} | {r['variant']} | {r['ms_per_step']:.2f} | "
-              f"{r['tokens_per_s']:,.1f} | {r['busy']:.1%} | {r['peak_GB']:.1f} |")
+              f"{r['tokens_per_s']:,.1f} | {r['busy']:.1%} | {r['peak_GB']:.1f} | {r['experts_per_layer']:.1f} "
+              f"({r['experts_expected']:.1f}) |")
     for r in prefills:
         print(f"| {hw} | {a.model} | prefill {r['prompts']}x{r['length']} | {r['seconds']:.2f} s | "
               f"{r['tokens_per_s']:,.0f} tok/s |")

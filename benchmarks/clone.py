@@ -77,10 +77,12 @@ def _copy(model, runner, source: Sequence, seq: Sequence, dev: torch.device) -> 
     model.history[dst] = model.history[src]
 
 
-def cloned_decode_run(engine: LLMEngine, batch: int, context: int, warmup: int, steps: int, seed: int) -> dict:
+def cloned_decode_run(engine: LLMEngine, batch: int, context: int, warmup: int, steps: int, seed: int,
+                      probe=None) -> dict:
     """bench_decode.decode_run's numbers for `batch` rows at `context` positions, over one prefilled prompt and
     batch - 1 clones of it: the prompt's prefill time, then `warmup` decode steps (the rows part, a graph is
-    captured), then `steps` timed decode steps of all rows, ZOS on. The engine's tracer is a SpanTracer."""
+    captured), then `steps` timed decode steps of all rows, ZOS on (and `probe`'s values: `timed_decode`).
+    The engine's tracer is a SpanTracer."""
     from bench_decode import timed_decode
 
     tracer, sync = engine.tracer, torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
@@ -102,4 +104,5 @@ def cloned_decode_run(engine: LLMEngine, batch: int, context: int, warmup: int, 
     assert all(tracer.kinds[s] == ("decode", batch) for s in range(first, engine.scheduler.step)), \
         "a warm-up step was not a decode step of every row"
     sync()
-    return {**timed_decode(engine, batch, steps), "prefill_s": prefill_s, "prefill_tokens_per_s": context / prefill_s}
+    timed = timed_decode(engine, batch, steps, probe)
+    return {**timed, "prefill_s": prefill_s, "prefill_tokens_per_s": context / prefill_s}

@@ -81,12 +81,38 @@ def test_cloning_a_sequence_that_has_not_prefilled_is_refused(ckpt):
 
 
 def test_cloned_decode_run_times_full_decode_steps_of_every_row(ckpt):
-    from bench_decode import SpanTracer
+    from bench_decode import SpanTracer, routed_experts
 
     tracer = SpanTracer()
-    llm = LLM(ckpt, tracer=tracer, num_kv_blocks=64, max_num_seqs=4)
-    r = clone.cloned_decode_run(llm.engine, batch=4, context=300, warmup=2, steps=3, seed=1)
+    llm = LLM(ckpt, tracer=tracer, num_kv_blocks=64, max_num_seqs=4)  # ZOS on
+    r = clone.cloned_decode_run(llm.engine, batch=4, context=300, warmup=2, steps=3, seed=1, probe=routed_experts)
     llm.engine.shutdown()
-    assert sum(kind == ("decode", 4) for kind in tracer.kinds.values()) >= 2 + 3
+    assert sum(kind == ("decode", 4) for kind in tracer.kinds.values()) >= 2 + 3 + 1  # warm-up, timed, the probe
     assert [kind for kind in tracer.kinds.values() if kind[0] == "prefill"] == [("prefill", 1)], "one prompt prefilled"
     assert r["ms_per_step"] > 0 and 0 < r["busy"] <= 1 and r["prefill_tokens_per_s"] == 300 / r["prefill_s"]
+    args = llm.engine.runner.model.args
+    assert args.n_activated_experts <= r["experts_per_layer"] <= args.n_routed_experts
+
+
+def test_the_routed_experts_probe_counts_each_layers_distinct_picks_on_the_same_rows(ckpt):
+    """bench_decode.py `routed_experts`: one eager decode step of the rows, each layer's distinct experts. Right
+    after cloning, the 4 rows are the same row (the same first token at the same position): exactly k experts a
+    layer, not 4k; after they part (their own seeds), more. Hooks removed and the graphs setting kept after."""
+    from bench_decode import SpanTracer, routed_experts
+
+    llm = LLM(ckpt, tracer=SpanTracer(), enable_zos=False, num_kv_blocks=64, max_num_seqs=4)
+    engine = llm.engine
+    args = engine.runner.model.args
+    E, k = args.n_routed_experts, args.n_activated_experts
+    source = engine.add_request(PROMPT, SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True))
+    engine.step()
+    clone.clone_prefilled(engine, source, [6, 7, 8])
+    alike = routed_experts(engine)
+    assert alike["experts_per_layer"] == k and abs(alike["experts_expected"] - E * (1 - (1 - k / E) ** 4)) < 1e-9
+    for _ in range(3):
+        engine.step()
+    parted = routed_experts(engine)
+    assert k < parted["experts_per_layer"] <= min(E, 4 * k)
+    gate = engine.runner.model.weights.layers[0].ffn.gate
+    assert not gate._forward_hooks and engine.runner.use_cuda_graphs is True
+    engine.shutdown()
