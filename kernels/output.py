@@ -38,7 +38,7 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kin = k < K
-            dim = k % D  # within its head
+            dim = (g * K + k) % D  # within its head (a group may start inside one)
             rope = (dim >= D - R) & kin
             at = o_ptr + rows.to(tl.int64)[:, None] * HD + (g * K + k)[None, :]
             x = tl.load(at, mask=live[:, None] & kin[None, :], other=0.0).to(tl.float32)

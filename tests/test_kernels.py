@@ -192,13 +192,15 @@ def test_hc_handoff_kernel_norms_its_collapse_as_the_norm_kernel_does(d):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("M, H, D, R, G, rank", [(5, 4, 128, 32, 2, 64), (70, 2, 64, 16, 2, 32), (3, 4, 32, 8, 4, 48)])
+@pytest.mark.parametrize("M, H, D, R, G, rank", [(5, 4, 128, 32, 2, 64), (70, 2, 64, 16, 2, 32), (3, 4, 32, 8, 4, 48),
+                                                 (4, 2, 64, 16, 4, 32), (3, 3, 32, 8, 2, 48)])
 def test_rope_wo_a_kernel_is_the_inverse_rotation_then_the_grouped_gemm(M, H, D, R, G, rank):
     """kernels/output.py against model/attention.py's CUDA lines (kernels/rope.py's inverse rotation, then the
     grouped einsum): within fp32 rounding before the bf16 rounding (another order of the GEMM's sums), o left as
     it is; and with wo_a an identity per group, the rotation itself bit for bit. Shapes: tiny-68m's (4 heads of
-    128, rope 32, 2 groups of rank 64), micro's over 70 rows (more than one row tile), and a group narrower
-    than a head (4 groups of 32 over heads of 32) of a rank that is not a power of two."""
+    128, rope 32, 2 groups of rank 64), micro's over 70 rows (more than one row tile), a group of one head of a
+    rank that is not a power of two, a group of half a head (the rope dims in every other group) and groups
+    of a head and a half."""
     from kernels import output as output_kernel, rope as rope_kernel
     from model.rope import rope_table
 
