@@ -25,6 +25,8 @@ import torch
 try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch path is the only path.
     import triton
     import triton.language as tl
+
+    from kernels.rope import _rotate_loaded
 except ImportError:
     triton = None
 
@@ -65,16 +67,9 @@ if triton is not None:
         q = tl.load(q_at, mask=h[:, None] < H, other=0.0)  # [BLOCK_H, D] bf16
         if ROPE:  # q's RoPE on its last ROPE dims as it loads (kernels/rope.py's operations, the same bf16 q)
             rope = (d >= D - ROPE)[None, :]
-            on = (h[:, None] < H) & rope
-            even = (d % 2 == 0)[None, :]
-            x = q.to(tl.float32)
-            partner = tl.load(q_at + tl.where(even, 1, -1), mask=on, other=0.0).to(tl.float32)
             f_at = freqs_ptr + pid.to(tl.int64) * ROPE + 2 * tl.where(rope, (d[None, :] - (D - ROPE)) // 2, 0)
-            c = tl.load(f_at, mask=rope, other=1.0)
-            sn = tl.load(f_at + 1, mask=rope, other=0.0)
-            # even d: a = x, b = partner -> a·c - b·sin; odd d: a = partner, b = x -> a·sin + b·c
-            rotated = tl.where(even, x * c - partner * sn, partner * sn + x * c)
-            q = tl.where(on, rotated, x).to(tl.bfloat16)
+            q = _rotate_loaded(q.to(tl.float32), q_at, (d % 2 == 0)[None, :], (h[:, None] < H) & rope, f_at, rope,
+                               1.0).to(tl.bfloat16)
         acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
         den = tl.zeros([BLOCK_H], dtype=tl.float32)
         run_max = tl.full([BLOCK_H], -1e30, dtype=tl.float32)  # the sink is not in the max

@@ -18,6 +18,7 @@ try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch pat
     import triton.language as tl
 
     from kernels.fp8_gemm import _dot
+    from kernels.rope import _rotate_loaded
 except ImportError:
     triton = None
 
@@ -42,16 +43,10 @@ if triton is not None:
             rope = (dim >= D - R) & kin
             at = o_ptr + rows.to(tl.int64)[:, None] * HD + (g * K + k)[None, :]
             x = tl.load(at, mask=live[:, None] & kin[None, :], other=0.0).to(tl.float32)
-            even = (k % 2 == 0)[None, :]
             on = live[:, None] & rope[None, :]
-            partner = tl.load(at + tl.where(even, 1, -1), mask=on, other=0.0).to(tl.float32)
-            pair = tl.where(rope, (dim - (D - R)) // 2, 0)
-            f_at = freqs_ptr + rows.to(tl.int64)[:, None] * R + 2 * pair[None, :]
-            c = tl.load(f_at, mask=on, other=1.0)
-            d = tl.load(f_at + 1, mask=on, other=0.0) * -1.0  # the inverse rotation conjugates
-            # even k: a = x, b = partner -> a·c - b·d; odd k: a = partner, b = x -> a·d + b·c
-            rotated = tl.where(even, x * c - partner * d, partner * d + x * c)
-            a = tl.where(on, rotated, x).to(tl.bfloat16)
+            f_at = freqs_ptr + rows.to(tl.int64)[:, None] * R + 2 * tl.where(rope, (dim - (D - R)) // 2, 0)[None, :]
+            # the inverse rotation conjugates: sign -1
+            a = _rotate_loaded(x, at, (k % 2 == 0)[None, :], on, f_at, on, -1.0).to(tl.bfloat16)
             w = tl.load(w_ptr + g * RANK * K + n[None, :].to(tl.int64) * K + k[:, None],
                         mask=kin[:, None] & (n < RANK)[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
             acc = _dot(a, w, acc, BF16)  # compiled: a bf16 tensor-core dot; the interpreter: fp32 (exact products)

@@ -18,6 +18,18 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
+    def _rotate_loaded(x, at, even, on, f_at, f_on, sign):
+        """RoPE of values x (fp32) already loaded from pointers `at` inside a kernel that loads a head's whole
+        row (kernels/attention.py's q, kernels/output.py's o): each value's pair partner is at at + 1 (even
+        lanes) or at - 1 (odd lanes), its (cos, sin) at f_at, f_at + 1 (loaded where f_on); rotated where `on`,
+        x elsewhere. _rope_kernel's operations: (a, b) -> (a·c - b·d, a·d + b·c), d = sin·sign, in fp32."""
+        partner = tl.load(at + tl.where(even, 1, -1), mask=on, other=0.0).to(tl.float32)
+        c = tl.load(f_at, mask=f_on, other=1.0)
+        d = tl.load(f_at + 1, mask=f_on, other=0.0) * sign
+        # even lanes: a = x, b = partner -> a·c - b·d; odd lanes: a = partner, b = x -> a·d + b·c
+        return tl.where(on, tl.where(even, x * c - partner * d, partner * d + x * c), x)
+
+    @triton.jit
     def _rope_kernel(x_ptr, freqs_ptr, n_rows, stride_row, heads, sign, HALF: tl.constexpr, ROWS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of R values (pairs) of x
         k = tl.arange(0, HALF)
