@@ -148,12 +148,13 @@ def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> Non
                   f"{floor * 1e3:.4f} | {floor / new:.1%} |", flush=True)
 
 
-MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, BKP=bkp, num_warps=w, num_stages=st) for bn, bkp, w, st in
-                         [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3),
-                          (64, 128, 8, 3), (32, 256, 4, 2), (64, 64, 4, 4)]],
-             "prefill": [dict(BM=bm, BN=bn, BKP=bkp, num_warps=w, num_stages=st) for bm, bn, bkp, w, st in
-                         [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3),
-                          (128, 128, 32, 8, 4)]]}
+MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, num_warps=w, num_stages=st) for bn, u, w, st in
+                         [(64, 4, 4, 3), (128, 4, 4, 3), (32, 4, 4, 3), (64, 2, 4, 3), (64, 8, 4, 3), (64, 4, 4, 4),
+                          (128, 4, 8, 3)]],
+             "prefill": [dict(BM=bm, BN=bn, U=u, num_warps=w, num_stages=st) for bm, bn, u, w, st in
+                         [(64, 128, 2, 8, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (64, 64, 2, 4, 3),
+                          (64, 128, 4, 8, 3), (64, 128, 2, 8, 4), (128, 64, 2, 4, 3), (32, 128, 2, 4, 3),
+                          (64, 256, 2, 8, 3), (128, 256, 2, 8, 3)]]}
 DENSE_SWEEP = {"decode": [(16, 64, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 128, 128, 4), (16, 64, 256, 4)],
                "prefill": [(128, 128, 64, 8), (128, 256, 64, 8), (64, 128, 64, 4), (128, 128, 128, 8)]}
 
@@ -167,8 +168,8 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
     w13, w2 = rnd(E, 2 * inter, D // 2), rnd(E, D, inter // 2)
     s13 = torch.full((E, 2 * inter, D // 32), 118, dtype=torch.uint8, device="cuda")
     s2 = torch.full((E, D, inter // 32), 118, dtype=torch.uint8, device="cuda")
-    print("| routed FP4 experts rows | BM, BN, BKP, warps, stages | ms | floor/measured |")
-    print("|---|---|---|---|")
+    print("| routed FP4 experts rows | BM, BN, U, warps, stages | ms | floor/measured | TFLOP/s |")
+    print("|---|---|---|---|---|")
     for n in [*batches, prefill]:
         x = torch.randn(n, D, generator=gen, device="cuda").bfloat16()
         ids = torch.rand(n, E, generator=gen, device="cuda").topk(k, dim=-1).indices
@@ -177,7 +178,9 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
         for cfg in MOE_SWEEP["decode" if n * k <= 4 * E else "prefill"]:
             fn = lambda: fp4_moe.routed_experts(x, w, ids, w13, s13, w2, s2, 10.0, cfg=cfg)
             s = timed(graphed(fn) if n <= max(batches) else fn, iters, "cuda")
-            print(f"| {n} | {', '.join(map(str, cfg.values()))} | {s * 1e3:.3f} | {floor / s:.1%} |", flush=True)
+            flops = 2 * 3 * D * inter * n * k  # w1, w3 and w2 for every (row, slot) pair
+            print(f"| {n} | {', '.join(map(str, cfg.values()))} | {s * 1e3:.3f} | {floor / s:.1%} | "
+                  f"{flops / s / 1e12:.0f} |", flush=True)
     print("| FP8 GEMM (out x in) | rows | BM, BN, BK, warps | ms (graph) | floor/measured |")
     print("|---|---|---|---|---|")
     for N, K in [(1280, D), (D, 8192)]:

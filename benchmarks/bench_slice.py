@@ -13,7 +13,9 @@ and slot, copied), so 64 rows at 128k cost one prefill of 128k; graphs only, not
 too is over clones. `--rows prefilled,clones` runs both, side by side where the prefilled rows fit. Every
 decode run also counts the routed experts each layer's gate picked in one more (eager) step of its rows, beside
 the uniform-routing expectation the bytes floor takes (bench_decode.py `routed_experts`).
-Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first token), after one untimed run.
+Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first token), after one untimed run,
+against its FLOP floor (`prefill_floor`: the matrix FLOPs a token costs) at the bf16 GEMM rate measured in the
+same run (bench_prefill.py `matmul_tflops`; the kernels multiply FP8 and FP4 values decoded to bf16).
 Profile (`--profile BxC`, issue #20 items 3 and 4): one eager decode step of B rows at context C and one
 prefill step of `--max-batched-tokens` tokens of one prompt from position 0, under torch.profiler: each layer's
 device time (its Engram block, attention and the rest: the hyper-connections and MoE), the kernels with the
@@ -39,7 +41,7 @@ from types import SimpleNamespace
 import torch
 
 from bench_decode import SpanTracer, decode_run, measure_ceilings, routed_experts
-from bench_prefill import prefill_run
+from bench_prefill import matmul_tflops, prefill_run
 from clone import clone_prefilled, cloned_decode_run
 from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerConfig
@@ -88,6 +90,33 @@ def decode_floor(weights, batch: int, context: int) -> dict:
                              for n, t in weights.named_parameters() if ".engram.embed." in n and t.dim() == 2)
     parts.update(window=batch * window, index_keys=batch * index_keys, entries=batch * entries, rows=batch * rows)
     parts = {name: b / GB for name, b in parts.items()}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def prefill_floor(weights, length: int) -> dict:
+    """The matrix FLOPs a token of a prompt of `length` tokens costs in prefill, on average over its positions
+    (issue #20 item 3), by part, in GFLOP: 2 x every weight a token multiplies (`dense`: all but the embedding,
+    Engram tables, head and routed experts; `routed`: k of E experts), sparse attention's QK and PV over the
+    window and the compressed entries it selects (min(top-k, p / ratio) at position p: `attention`), each index
+    source's scores over the entries of its kv source (p / ratio: `index`). The head runs on a prompt's last
+    token only (left out). Over a peak rate this is the step's FLOP floor."""
+    a = weights.args
+    parts = dict(dense=0.0, routed=0.0)
+    for name, t in weights.named_parameters():
+        if t.dim() < 2 or name.startswith(("embed.", "head.")) or ".engram.embed." in name or name.endswith(".scale"):
+            continue  # the scales multiply tiles, not values
+        numel = t.numel() * (2 if t.dtype == torch.float4_e2m1fn_x2 else 1)  # two FP4 values a byte
+        parts["routed" if ".ffn.experts." in name else "dense"] += 2 * numel
+    parts["routed"] *= a.n_activated_experts / a.n_routed_experts
+    positions = torch.arange(length, dtype=torch.float64)
+    seen = lambda r: (positions / r).floor().clamp(min=0)  # compressed entries visible at each position
+    per_head = 4 * a.head_dim * a.n_heads  # QK and PV of one key row for all heads
+    parts["attention"] = sum(per_head * (min(a.window_size, length) + (seen(r).clamp(max=a.index_topk).mean().item()
+                                                                       if r else 0)) for r in a.compress_ratios)
+    parts["index"] = sum(2 * a.index_n_heads * a.index_head_dim * seen(a.compress_ratios[a.kv_source_of(s)]).mean().item()
+                         for s in range(a.n_layers) if a.is_index_source(s))
+    parts = {name: f / 1e9 for name, f in parts.items()}
     parts["total"] = sum(parts.values())
     return parts
 
@@ -261,14 +290,15 @@ def print_profile(title: str, r: dict) -> None:
 
 
 def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: int, clones: bool = False) -> dict:
-    """Profile one eager decode step of `batch` rows at `context`, then time `timed` decode steps of the same rows
-    with CUDA graphs and ZOS on (after 2 steps of capture), then profile one full prefill step from 0. `clones`:
+    """Profile one eager decode step of `batch` rows at `context`, count the routed experts of one more
+    (bench_decode.py `routed_experts`), then time `timed` decode steps of the same rows with CUDA graphs and ZOS
+    on (after 2 steps of capture), then profile one full prefill step from 0. `clones`:
     the rows are one prompt prefilled and batch - 1 clones of it (benchmarks/clone.py)."""
     from engine.sequence import SamplingParams
 
     engine.runner.use_cuda_graphs, zos, engine.enable_zos = False, engine.enable_zos, False
     ids = [engine.add_request([3 + (i * 7 + j) % 1000 for j in range(context)],
-                              SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 2 + timed, ignore_eos=True))
+                              SamplingParams(temperature=1.0, seed=i, max_tokens=5 + 2 + timed, ignore_eos=True))
            for i in range(1 if clones else batch)]
     if clones:
         source = ids[0]
@@ -280,6 +310,7 @@ def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: in
     engine.step()  # one more decode step of all rows (warm)
     decode = profiled(engine, top)
     assert engine.tracer.kinds[engine.scheduler.step - 1] == ("decode", batch), "the profiled step was not a decode"
+    decode.update(routed_experts(engine))  # the experts the same rows route to, one more eager step
     engine.runner.use_cuda_graphs, engine.enable_zos = True, zos
     for _ in range(2):
         engine.step()
@@ -377,11 +408,18 @@ def main() -> None:
                       f"(run {r['wall_s']:.0f} s with its prefill; {experts(r)})", flush=True)
     engine.runner.use_cuda_graphs = True
     prefills = []
+    bf16_tflops = matmul_tflops() if shapes else None
     for n, length in shapes:
         prefill_run(engine, 1, min(length, 512), seed=7)  # warm-up: allocator, library handles
         seconds, steps = prefill_run(engine, n, length, seed=8)
-        prefills.append(dict(prompts=n, length=length, seconds=seconds, steps=steps, tokens_per_s=n * length / seconds))
-        print(f"prefill {n}x{length}: {seconds:.2f} s in {steps} steps, {n * length / seconds:,.0f} tok/s", flush=True)
+        floor = prefill_floor(weights, length)
+        achieved = n * length * floor["total"] * 1e9 / seconds / 1e12
+        prefills.append(dict(prompts=n, length=length, seconds=seconds, steps=steps, tokens_per_s=n * length / seconds,
+                             floor_GFLOP_per_token=floor, TFLOPs=achieved))
+        print(f"prefill {n}x{length}: {seconds:.2f} s in {steps} steps, {n * length / seconds:,.0f} tok/s; "
+              f"{floor['total']:.2f} GFLOP a token (" + ", ".join(f"{k} {v:.3f}" for k, v in floor.items() if k != "total")
+              + f"): {achieved:.0f} TFLOP/s, {bf16_tflops / achieved:.2f}x the floor at the bf16 GEMM rate "
+              f"({bf16_tflops:.0f} TFLOP/s, cuBLAS 8192^3 measured now)", flush=True)
     profile = profile_run(engine, *profile_shape, a.profile_top, a.steps, clones=a.rows == "clones") \
         if profile_shape else None
     if profile:
@@ -403,7 +441,7 @@ def main() -> None:
               f"({r['experts_expected']:.1f}) |")
     for r in prefills:
         print(f"| {hw} | {a.model} | prefill {r['prompts']}x{r['length']} | {r['seconds']:.2f} s | "
-              f"{r['tokens_per_s']:,.0f} tok/s |")
+              f"{r['tokens_per_s']:,.0f} tok/s | {r['TFLOPs']:.0f} TFLOP/s | {bf16_tflops / r['TFLOPs']:.2f}x floor |")
     for r in results:
         if "prefill_s" in r:  # a clone run's one prompt
             print(f"| {hw} | {a.model} | prefill 1x{r['context']} (the clones' source) | {r['prefill_s']:.2f} s | "

@@ -16,8 +16,11 @@ with Engram, 3 ratio-2 sources, 15 ratio-2 consumers, 1 ratio-1 source, 15 ratio
 layers; layer 14's Engram block counted once more), split in three:
 - the routed experts' kernels (`_gate_up_kernel`, `_down_kernel`): under EP each GPU runs the picks of all
   ranks' rows (ranks x batch x top-k) over its E/ranks experts, so it reads the weights of the experts those
-  picks touch, E/ranks x (1 - (1 - 1/E)^(ranks x batch x k)), against the slice's E x (1 - (1 - 1/E)^(batch
-  x k)) on one GPU; their time scales with that ratio (they are bound by the expert bytes at decode);
+  picks touch, E/ranks x (1 - (1 - 1/E)^(ranks x batch x k)) under uniform routing (the released gate is
+  trained toward balance), against the experts the profiled slice step read: the count the profile took
+  (`bench_slice.py` `profile_run`: the random slice routes 64 rows to ~30 of 384 experts a layer, not the
+  uniform 243.8), or that uniform expectation for a profile without the count (said so); their time scales
+  with that ratio (they are bound by the expert bytes at decode);
 - everything else of the layer (attention, the indexer, hyper-connections, norms, the shared expert): the
   same work per GPU under DP (each rank its own batch);
 - both then scaled by HBM bandwidth, B200 over H200 (`--h200-bw`, `--b200-bw`: nominal TB/s; a decode step
@@ -152,7 +155,11 @@ def main() -> None:
         sys.exit(f"{a.profile} has no CUDA-graph step time; give --graph-step-ms.")
     graph = graph_ms / d["device_ms"]  # graph step per ms of profiled kernel time
     bw = a.h200_bw / a.b200_bw
-    per_gpu_experts, one_gpu_experts = E / G * hit(E, G * a.batch * k), E * hit(E, a.batch * k)
+    per_gpu_experts = E / G * hit(E, G * a.batch * k)
+    one_gpu_experts = d.get("experts_per_layer")
+    counted = one_gpu_experts is not None
+    if not counted:
+        one_gpu_experts = E * hit(E, a.batch * k)
     moe_scale = per_gpu_experts / one_gpu_experts
     rows = []
     for role, real in ROLES.items():
@@ -163,8 +170,9 @@ def main() -> None:
         rows.append((role, len(real), other))
     print(f"### Decode step per GPU (estimate), from the slice's profile at batch {a.batch}, context {a.context:,}\n")
     print(f"Scales: B200/H200 bandwidth {1 / bw:.2f}x; the profile's kernel time to a graph step {graph:.3f}x; "
-          f"routed experts read per GPU {per_gpu_experts:.1f} of {E // G} (EP) against "
-          f"{one_gpu_experts:.1f} of {E} on one GPU ({moe_scale:.3f}x).\n")
+          f"routed experts read per GPU {per_gpu_experts:.1f} of {E // G} (EP, uniform routing) against "
+          f"{one_gpu_experts:.1f} of {E} in the profiled slice step ("
+          f"{'counted' if counted else 'the uniform expectation: this profile has no count'}; {moe_scale:.3f}x).\n")
     print("| slice layer (role) | real layers | H200 ms a layer, non-MoE | H200 ms a layer, routed experts | "
           "B200 ms, all its layers |")
     print("|---|---|---|---|---|")

@@ -4,7 +4,7 @@ with the routed experts in `fp4_gemm`'s storage).
 The routed experts stay as the released files store them: e2m1 codes two per byte (the even element in the
 low nibble) [E, out, in/2] and one e8m0 scale per 32 values along K [E, out, in/32] (model/released.py
 FP4Linear, stacked by `fp4_stacked` below as views, no copy kept). No bf16 copy of an expert exists:
-each program decodes its expert's [BN, BK] tile in registers.
+each program decodes its expert's [BN, 32] tiles in registers, one scale group at a time.
 
 What it replaces: the grouped bf16 path cannot take FP4 experts, so released models ran the masked path
 (model/moe.py): every one of the E experts on every row, each FP4Linear dequantising its whole weight to
@@ -16,20 +16,25 @@ CUDA graph: benchmarks/RESULTS.md).
 The pipeline, all on the device with no host synchronisation (a CUDA graph captures it):
 1. `plan`: the N·k (row, slot) pairs sorted by expert (stable), cut into tiles of BM pairs of one expert;
    a fixed upper bound of tiles (cdiv(N·k, BM) + min(E, N·k)), the unused ones marked dead (-1).
-2. `_gate_up_kernel`: per (tile, block of inter), gather the tile's rows of x (FP8-quantised, act_quant),
-   w1 and w3 products (two fp32 accumulators), each rounded to bf16 as the GEMM output of spec §5 step 1,
-   then the clamps, silu(g)·u and the routing weight in fp32 (kernels/moe.py's operations), bf16 out, in
-   sorted pair order [N·k, inter].
+2. `_gate_up_kernel`: per (block of inter, tile), gather the tile's rows of x (FP8-quantised, act_quant),
+   w1 and w3 products (w1's and w3's rows interleaved in one tile: one accumulator), each rounded to bf16 as
+   the GEMM output of spec §5 step 1, then the clamps, silu(g)·u and the routing weight in fp32
+   (kernels/moe.py's operations), bf16 out, in sorted pair order [N·k, inter].
 3. act_quant of that hidden (kernels/quant.py, per 32, as the official linear() before w2).
-4. `_down_kernel`: per (tile, block of dim), the w2 product, bf16 out [N·k, dim].
+4. `_down_kernel`: per (block of dim, tile), the w2 product, bf16 out [N·k, dim].
+The grid runs a tile's output blocks next to each other (the first grid axis), so its gathered rows of x are
+read from HBM once and from L2 after; each tile's expert weights are read once.
 5. `_combine_kernel`: each row adds its k outputs in fp32 in ascending expert id, the shared expert's
    output (FP8 dense, kernels/fp8_gemm.py) last, one rounding: the adds of the official loop.
 
 FP4 decode: a code's e2m1 bits map onto e4m3 bits (sign to bit 7, exponent and mantissa to bits 2-4), whose
 value is the e2m1 value times 2^-6 (0.5 lands on the e4m3 subnormal 2^-7); the 2^6 goes into the scale.
 So one e4m3 decode (kernels/fp8_gemm.py: hardware on sm_89+, integer arithmetic elsewhere) serves both
-formats. K is walked two values a byte: the even elements' codes (low nibbles) meet x's even columns, the
-odd ones x's odd columns, in two dots into one accumulator (no interleaving of registers).
+formats. K is walked one scale group (32 values, 16 bytes a row) a dot: a row's bytes split into their two
+nibbles and joined back in K order, each value times its group's scale. The decoded weight is the dot's first
+operand, which a tensor-core dot takes from registers (wgmma on sm_90; Triton picks the instruction for each
+architecture, nothing here is Hopper-only), and x's rows its second: the product is computed transposed,
+[weight rows, pairs], and stored as [pairs, weight rows].
 
 Numerics against the torch path (the official loop, FP4Linear dequantising to bf16 then F.linear): the
 same exact products (e2m1 times a power of two, times an e4m3 activation, exact in fp32), summed in fp32 in
@@ -51,30 +56,34 @@ GROUP = 32  # values per e8m0 scale along K (model/quant.py FP4_WEIGHT_GROUP)
 if triton is not None:
 
     @triton.jit
+    def _w_group(w_base, s_base, w_rows, w_live, gi, KP, G, HW_FP8: tl.constexpr, BN: tl.constexpr):
+        """W's rows w_rows [BN] at scale group gi (K values 32·gi to 32·gi + 31: 16 packed bytes a row) as
+        their values [BN, 32] in fp32 (exact in bf16): codes at w_base [., KP], e8m0 scales at s_base [., G]."""
+        live = w_live & (gi < G)
+        jj = gi * 16 + tl.arange(0, 16)
+        b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=live[:, None], other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(b & 15, b >> 4), (BN, 32))  # K value 2j: byte j's low nibble, 2j+1: its high
+        s = tl.load(s_base + w_rows * G + gi, mask=live, other=127)
+        # e2m1 bits onto e4m3 bits (a value times 2^-6), the scale times 2^6
+        return _e4m3_values(((codes & 8) << 4) | ((codes & 7) << 2), HW_FP8) * _e8m0_values(s, 6)[:, None]
+
+    @triton.jit
+    def _x_group_t(x_ptr, x_rows, live, gi, K, G):
+        """Rows x_rows [BM] of x bf16 [., K] at scale group gi, transposed: [32, BM]."""
+        kk = gi * 32 + tl.arange(0, 32)
+        return tl.load(x_ptr + x_rows[None, :] * K + kk[:, None], mask=live[None, :] & (gi < G), other=0.0)
+
+    @triton.jit
     def _fp4_tile_dot(acc, x_ptr, x_rows, live, K, w_base, s_base, w_rows, w_live,
-                      HW_FP8: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
-        """acc += x[x_rows, :K] · dequant(W[w_rows])ᵀ: x bf16 [., K] row-major, W's codes packed [., K/2] at
-        w_base, its e8m0 scales [., K/32] at s_base; w_rows [BN], the rows of x masked by `live`."""
+                      HW_FP8: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
+        """acc [BN, BM] += dequant(W[w_rows]) · x[x_rows, :K]ᵀ: the weight is the dot's first operand, decoded
+        in registers (where a tensor-core dot can take it without a trip through shared memory), x's rows its
+        second. K is walked one scale group (32 values) a dot, U groups an iteration."""
         KP, G = K // 2, K // 32
-        j = tl.arange(0, BKP)
-        g = tl.arange(0, BKP // 16)
-        for kp0 in range(0, KP, BKP):
-            jj = kp0 + j
-            xm = live[:, None] & (jj < KP)[None, :]
-            x_even = tl.load(x_ptr + x_rows[:, None] * K + 2 * jj[None, :], mask=xm, other=0.0)
-            x_odd = tl.load(x_ptr + x_rows[:, None] * K + 2 * jj[None, :] + 1, mask=xm, other=0.0)
-            wm = w_live[:, None] & (jj < KP)[None, :]
-            b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=wm, other=0).to(tl.int32)
-            gg = kp0 // 16 + g
-            s = tl.load(s_base + w_rows[:, None] * G + gg[None, :], mask=w_live[:, None] & (gg < G)[None, :],
-                        other=127)
-            # each scale times 2^6 (the e4m3 decode's offset), over its 16 bytes
-            s = tl.reshape(tl.broadcast_to(_e8m0_values(s, 6)[:, :, None], (BN, BKP // 16, 16)), (BN, BKP))
-            lo, hi = b & 15, b >> 4
-            w_even = _e4m3_values(((lo & 8) << 4) | ((lo & 7) << 2), HW_FP8) * s  # exact in bf16
-            w_odd = _e4m3_values(((hi & 8) << 4) | ((hi & 7) << 2), HW_FP8) * s
-            acc = _dot(x_even, tl.trans(w_even), acc, BF16)
-            acc = _dot(x_odd, tl.trans(w_odd), acc, BF16)
+        for g0 in range(0, G, U):
+            for du in tl.static_range(U):
+                acc = _dot(_w_group(w_base, s_base, w_rows, w_live, g0 + du, KP, G, HW_FP8, BN),
+                           _x_group_t(x_ptr, x_rows, live, g0 + du, K, G), acc, BF16)
         return acc
 
     @triton.jit
@@ -88,21 +97,22 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, pairs_ptr, tile_ptr, w_ptr, s_ptr, route_ptr, h_ptr, D, I, TOPK, limit,
                         HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
-        t, pid_n = tl.program_id(0), tl.program_id(1)
+                        BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
+        """BN rows of w13 a program, w1's and w3's interleaved (row 2i: w1's row for output n_i, 2i+1: w3's), so
+        one accumulator and one dot a group serve both: BN / 2 of inter's outputs."""
+        pid_n, t = tl.program_id(0), tl.program_id(1)  # a tile's output blocks run side by side: x's rows stay in L2
         e, r, live = _tile_rows(tile_ptr, t, BM)
         if e >= 0:
             pair = tl.load(pairs_ptr + r, mask=live, other=0)
             token = (pair // TOPK).to(tl.int64)
-            n = pid_n * BN + tl.arange(0, BN)
-            n_live = n < I
+            i2 = tl.arange(0, BN)
+            n2 = pid_n * (BN // 2) + i2 // 2
             e64 = e.to(tl.int64)
             w_base = w_ptr + e64 * (2 * I) * (D // 2)  # w13 [E, 2I, D/2]: w1's rows, then w3's
             s_base = s_ptr + e64 * (2 * I) * (D // 32)
-            g = _fp4_tile_dot(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, token, live, D, w_base, s_base, n,
-                              n_live, HW_FP8, BF16, BN, BKP)
-            u = _fp4_tile_dot(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, token, live, D, w_base, s_base, I + n,
-                              n_live, HW_FP8, BF16, BN, BKP)
+            acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, token, live, D, w_base, s_base,
+                                tl.where(i2 % 2 == 0, n2, I + n2), n2 < I, HW_FP8, BF16, BN, U)
+            g, u = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, BM)), (0, 2, 1)))
             g = _round_bf16(g, BF16).to(tl.float32)  # the GEMM outputs are bf16 (spec §5 step 1)
             u = _round_bf16(u, BF16).to(tl.float32)
             if limit > 0:
@@ -110,15 +120,16 @@ if triton is not None:
                 g = tl.minimum(g, limit)
             hidden = tl.div_rn(g, 1.0 + tl.exp((-g).to(tl.float64)).to(tl.float32)) * u  # silu(g)·u (kernels/moe.py)
             weight = tl.load(route_ptr + pair, mask=live, other=0.0)
-            hidden = weight[:, None] * hidden
-            tl.store(h_ptr + r.to(tl.int64)[:, None] * I + n[None, :], _round_bf16(hidden, BF16),
-                     mask=live[:, None] & n_live[None, :])
+            hidden = weight[None, :] * hidden
+            n = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+            tl.store(h_ptr + r.to(tl.int64)[None, :] * I + n[:, None], _round_bf16(hidden, BF16),
+                     mask=live[None, :] & (n < I)[:, None])
 
     @triton.jit
     def _down_kernel(h_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, D, I,
                      HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
-        t, pid_n = tl.program_id(0), tl.program_id(1)
+                     BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
+        pid_n, t = tl.program_id(0), tl.program_id(1)  # a tile's output blocks run side by side: x's rows stay in L2
         e, r, live = _tile_rows(tile_ptr, t, BM)
         if e >= 0:
             n = pid_n * BN + tl.arange(0, BN)
@@ -126,10 +137,10 @@ if triton is not None:
             e64 = e.to(tl.int64)
             w_base = w_ptr + e64 * D * (I // 2)  # w2 [E, D, I/2]
             s_base = s_ptr + e64 * D * (I // 32)
-            acc = _fp4_tile_dot(tl.zeros((BM, BN), dtype=tl.float32), h_ptr, r.to(tl.int64), live, I,
-                                w_base, s_base, n, n_live, HW_FP8, BF16, BN, BKP)
-            tl.store(out_ptr + r.to(tl.int64)[:, None] * D + n[None, :], _round_bf16(acc, BF16),
-                     mask=live[:, None] & n_live[None, :])
+            acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), h_ptr, r.to(tl.int64), live, I,
+                                w_base, s_base, n, n_live, HW_FP8, BF16, BN, U)
+            tl.store(out_ptr + r.to(tl.int64)[None, :] * D + n[:, None], _round_bf16(acc, BF16),
+                     mask=live[None, :] & n_live[:, None])
 
     @triton.jit
     def _combine_kernel(out_ptr, slots_ptr, shared_ptr, y_ptr, D, TOPK: tl.constexpr, BF16: tl.constexpr,
@@ -151,11 +162,14 @@ def applies(x: torch.Tensor) -> bool:
 
 def config(pairs: int, experts: int) -> dict:
     """Tile sizes by the shape only: BM pairs a tile (16, tl.dot's least, while an expert gets a few rows on
-    average: decode), BN outputs, BKP packed bytes of K a step; warps and pipeline stages. Chosen by
-    benchmarks/bench_fp4.py --sweep on an H200; no autotuning (a timing-dependent choice would change bits)."""
-    if pairs <= 4 * experts:  # the best of 8 at 16 and 64 rows, within 3% of the best at 1 (RESULTS.md, H200)
-        return dict(BM=16, BN=64, BKP=64, num_warps=4, num_stages=3)
-    return dict(BM=128, BN=128, BKP=64, num_warps=8, num_stages=3)  # the best of 5 at 4,096 rows
+    average: decode), BN weight rows a program, U scale groups of K (32 values each) an iteration; warps and
+    pipeline stages. Chosen by benchmarks/bench_fp4.py --sweep on an H200; no autotuning (a timing-dependent
+    choice would change bits)."""
+    if pairs <= 4 * experts:  # decode: the best of 7 at 1, 16 and 64 rows (RESULTS.md, H200)
+        return dict(BM=16, BN=64, U=4, num_warps=4, num_stages=3)
+    if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 14 at 2,048 rows
+        return dict(BM=64, BN=128, U=2, num_warps=4, num_stages=3)
+    return dict(BM=128, BN=128, U=2, num_warps=4, num_stages=3)  # the best of 14 at 8,192 rows
 
 
 def plan(ids: torch.Tensor, n_experts: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,18 +208,21 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     if D % GROUP or I % GROUP:
         raise ValueError(f"fp4 MoE: dim {D} and inter {I} must be multiples of the scale group {GROUP}")
     cfg = dict(config(N * k, E), **(cfg or {}))
-    BM, BN, BKP = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("BKP")
+    BM, BN, U = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U")
     pairs, tiles, slots = plan(ids, E, BM)
+    if tiles.size(0) > 65535:  # the grid's second axis
+        raise ValueError(f"fp4 MoE: {N} rows x {k} make {tiles.size(0)} tiles of {BM}, more than a launch takes "
+                         "(65,535); prefill in smaller chunks (max_num_batched_tokens)")
     hw = hw_fp8(xq.device) if hw is None else hw
     hidden = torch.empty(N * k, I, dtype=torch.bfloat16, device=xq.device)
-    _gate_up_kernel[(tiles.size(0), triton.cdiv(I, BN))](
+    _gate_up_kernel[(triton.cdiv(I, BN // 2), tiles.size(0))](  # BN rows of w13: BN / 2 outputs
         xq.contiguous(), pairs, tiles, w13.view(torch.uint8), s13.view(torch.uint8), weights.contiguous().view(-1),
-        hidden, D, I, k, float(limit), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, BKP=BKP, **cfg)
+        hidden, D, I, k, float(limit), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, U=U, **cfg)
     hidden = act_quant_fp8(hidden, GROUP)  # the official linear() before w2
     out = torch.empty(N * k, D, dtype=torch.bfloat16, device=xq.device)
-    _down_kernel[(tiles.size(0), triton.cdiv(D, BN))](
+    _down_kernel[(triton.cdiv(D, BN), tiles.size(0))](
         hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, HW_FP8=hw, BF16=xq.is_cuda,
-        BM=BM, BN=BN, BKP=BKP, **cfg)
+        BM=BM, BN=BN, U=U, **cfg)
     return out, slots
 
 

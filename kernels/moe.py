@@ -148,19 +148,35 @@ def route(softplus: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, route_
     return w, ids
 
 
-GATE_ROWS = 16      # rows a program: fixed, so a row's logits never depend on its batch
-GATE_DEPTH = 64     # d a step of the FMA chain's tiles
+# Each logit is one chain of IEEE FMAs over d in order whatever the tile (tl.dot in "ieee" fp32 on the CUDA cores),
+# so the tile may follow the batch without a row's bits following it (tests/gpu: a row alone and in a batch of
+# 1,000 give the same bits; on an H200 every tile of the sweep in benchmarks/RESULTS.md gave the same bits).
 ROUTE_EXPERTS = 128  # up to this many experts a program holds them all and routes in the same launch
 
 
+def gate_tiles(N: int, E: int) -> tuple[int, int, int]:
+    """(rows, experts, d a step) a program of the gate's logits for N rows of E experts, by the shape only: the
+    fastest of an H200 sweep (benchmarks/RESULTS.md) at the slice's 384 x 5,120 and tiny-68m's 16 x 512 for
+    64, 256 and 8,192 rows. Few rows want many programs (16 experts each) and long steps of d; a prefill chunk
+    of 8,192 rows wants the weight read few times (128 experts a program). Up to ROUTE_EXPERTS experts one
+    program holds them all."""
+    every = max(16, triton.next_power_of_2(E)) if E <= ROUTE_EXPERTS else None
+    if N >= 8192:
+        return 64, every or 128, 64
+    if N > 64 and every is None:
+        return 64, 16, 256
+    return 16, every or 16, 256
+
+
 def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float, k: int, norm: bool,
-         route_scale: float):
+         route_scale: float, tiles: tuple[int, int, int] | None = None):
     """The whole gate (spec §5) from x [N, d] (bf16) and the fp32 weight [E, d]: logits in IEEE fp32,
     / temp (skipped at 1), softplus, then `route`'s selection and weights -> (weights fp32 [N, k], ids int64
     [N, k]). One launch up to ROUTE_EXPERTS experts (tiny-68m: 16), else two (the softplus values, then
     `route`; the slice's 384), where torch takes five (the upcast, the GEMM and its split-K reduction, the
     softplus, the route). Within fp32 rounding of model/moe.py's torch lines (another order of the d sums,
-    the softplus through fp64), so a near tie in the top-k may pick the other expert."""
+    the softplus through fp64), so a near tie in the top-k may pick the other expert. `tiles` overrides
+    `gate_tiles` (benchmarks)."""
     N, D = x.shape
     E = weight.size(0)
     ids = torch.empty(N, k, dtype=torch.long, device=x.device)
@@ -168,12 +184,12 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float,
     if not N:
         return w, ids
     one = E <= ROUTE_EXPERTS
-    block_e = max(16, triton.next_power_of_2(E)) if one else 32
+    rows, block_e, depth = tiles or gate_tiles(N, E)
     sp = w if one else torch.empty(N, E, dtype=torch.float32, device=x.device)  # one launch: sp_ptr unused
-    _gate_kernel[(triton.cdiv(N, GATE_ROWS), triton.cdiv(E, block_e))](
+    _gate_kernel[(triton.cdiv(N, rows), triton.cdiv(E, block_e))](
         x.contiguous(), weight.contiguous(), bias.contiguous(), sp, ids, w, N, D, E, float(temp), float(route_scale),
-        TEMP=temp != 1, ROUTE=one, K=k, NORM=bool(norm and k > 1), BLOCK_N=GATE_ROWS, BLOCK_E=block_e,
-        BLOCK_D=GATE_DEPTH, BLOCK_K=triton.next_power_of_2(k))
+        TEMP=temp != 1, ROUTE=one, K=k, NORM=bool(norm and k > 1), BLOCK_N=rows, BLOCK_E=block_e,
+        BLOCK_D=depth, BLOCK_K=triton.next_power_of_2(k))
     return (w, ids) if one else route(sp, bias, k, norm, route_scale)
 
 

@@ -54,14 +54,23 @@ if triton is not None:
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & (n < RANK)[None, :])
 
 
+# The widest group the launch serves. Narrow groups (tiny-68m: 256 wide, rank 64) are bound by launches, and one
+# launch for three wins; at the released widths (groups of 4,096, rank 1,024) the kernel's small tiles took 466 us a
+# decode step of 64 rows and 22.9 ms a prefill chunk of 8,192 on an H200, where the rotation plus cuBLAS's grouped
+# GEMM take a few percent of that (benchmarks/RESULTS.md, issue #20 item 3): there the three launches stay.
+MAX_GROUP_WIDTH = 512
+
+
 def applies(o: torch.Tensor, wo_a: torch.Tensor, rope_dim: int) -> bool:
     """CUDA (or the interpreter), bf16 o [..., H, D] contiguous with H·D a multiple of the groups, bf16 wo_a
-    [G, r, H·D/G], a group's width a multiple of 16 (the tile) and the rope dims even, within one head."""
+    [G, r, H·D/G], a group's width a multiple of 16 (the tile) and at most MAX_GROUP_WIDTH, and the rope dims
+    even, within one head."""
     if triton is None or o.dtype != torch.bfloat16 or wo_a.dtype != torch.bfloat16 or not o.is_contiguous():
         return False
     G, _, K = wo_a.shape
     H, D = o.shape[-2:]
-    return H * D == G * K and K % 16 == 0 and rope_dim % 2 == 0 and 0 < rope_dim <= D and wo_a.is_contiguous()
+    return (H * D == G * K and K % 16 == 0 and K <= MAX_GROUP_WIDTH and rope_dim % 2 == 0 and 0 < rope_dim <= D
+            and wo_a.is_contiguous())
 
 
 def rope_wo_a(o: torch.Tensor, freqs: torch.Tensor, wo_a: torch.Tensor, rope_dim: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """benchmarks/bench_slice.py's profile tables that run without a GPU: the kernels' launch shapes read from a
-Chrome trace (issue #20 item 5: which small kernels are latency-bound)."""
+Chrome trace (issue #20 item 5: which small kernels are latency-bound); its decode and prefill floors; and
+estimate_b200.py's scaling of the routed experts (issue #20 items 3 and 4)."""
+import re
 import sys
 from pathlib import Path
 
@@ -62,3 +64,54 @@ def test_the_slices_decode_floor_counts_each_part_once():
     assert abs(floor["window"] - 64 * 7 * 128 * 512 * 2 / 1e9) < 1e-9
     assert abs(floor["total"] - sum(v for k, v in floor.items() if k != "total")) < 1e-9
     assert 37 < floor["total"] < 39
+
+
+def test_the_slices_prefill_floor_counts_each_part_once():
+    """prefill_floor on the slice's released storage: 2 FLOPs a weight value a token (FP4 bytes hold two), the
+    routed experts at 6 of 384, sparse attention over the window and min(top-k, p / ratio) entries, the index
+    scores over p / ratio entries of each index source's kv source, all averaged over a prompt's positions."""
+    from bench_slice import prefill_floor
+    from model.config import preset
+    from model.released import Storage, storage_model
+
+    a = preset("v41-slice")
+    with torch.device("meta"):
+        model = storage_model(a, Storage())
+    floor = prefill_floor(model, 8192)
+    assert abs(floor["routed"] - 7 * 6 * 3 * 2 * 5120 * 2304 / 1e9) < 1e-9  # w1, w3, w2 of 6 experts, 7 layers
+    wq_a = 2 * 1280 * 5120 / 1e9
+    assert floor["dense"] > 7 * (wq_a + 2 * 32768 * 1280 / 1e9)  # at least every layer's wq_a and wq_b
+    mean_topk = lambda r: sum(min(512, p // r) for p in range(8192)) / 8192
+    want = 7 * 4 * 512 * 64 * 128 + 4 * 512 * 64 * (2 * mean_topk(2) + 3 * mean_topk(1))  # ratios 0, 0, 2, 2, 1, 1, 1
+    assert abs(floor["attention"] - want / 1e9) < 1e-9
+    mean_seen = lambda r: sum(p // r for p in range(8192)) / 8192
+    assert abs(floor["index"] - 2 * 32 * 128 * (mean_seen(2) + 2 * mean_seen(1)) / 1e9) < 1e-9  # sources 2, 4, 6
+    assert abs(floor["total"] - sum(v for k, v in floor.items() if k != "total")) < 1e-9
+    assert 6 < floor["total"] < 6.5
+
+
+def test_the_b200_estimate_scales_the_experts_by_what_the_profiled_step_read(tmp_path):
+    """estimate_b200.py: the routed experts' time scales by the experts a GPU reads under EP over the experts the
+    profiled slice step read: the profile's count when it has one (the random slice routes 64 rows to ~30 of 384
+    a layer), else the uniform expectation (242.9 at 64 x 6 picks), said so in the output."""
+    import json
+    import subprocess
+    import sys
+
+    layers = [dict(layer=i, ratio=r, engram_ms=0.0, attention_ms=0.3, rest_ms=1.0, total_ms=1.3)
+              for i, r in enumerate((0, 0, 2, 2, 1, 1, 1))]
+    decode = dict(device_ms=12.0, graph_ms_per_step=12.0, layers=layers,
+                  top=[dict(name="_gate_up_kernel", ms=3.5), dict(name="_down_kernel", ms=1.75)])
+    runs = {}
+    for name, count in (("uniform", None), ("counted", 29.0)):
+        d = dict(decode, **({} if count is None else {"experts_per_layer": count}))
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"weight_GB": 57.15, "profile": dict(batch=64, context=4096, decode=d)}))
+        out = subprocess.run([sys.executable, "benchmarks/estimate_b200.py", str(path), "--context", "4096"],
+                             capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs[name] = out.stdout
+    assert "against 242.9 of 384 in the profiled slice step (the uniform expectation" in runs["uniform"]
+    assert "against 29.0 of 384 in the profiled slice step (counted; 3.250x)" in runs["counted"]
+    step = lambda text: float(re.search(r"\*\*([\d.]+) ms\*\*", text).group(1))
+    assert step(runs["counted"]) > 2 * step(runs["uniform"])

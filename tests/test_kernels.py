@@ -631,3 +631,18 @@ def test_unpack_kernel_gives_the_runners_batch_and_the_forwards_per_token_values
     assert torch.equal(positions, start[:, None] + arange) and torch.equal(valid, arange < num[:, None])
     assert torch.equal(end, start + num) and torch.equal(rows, torch.arange(B)[:, None])
     assert not torch.equal(got[0].input_ids, layout.split(ints, S)[1]), "no in-flight id was taken"
+
+
+def test_rope_wo_a_serves_narrow_groups_only():
+    """kernels/output.py `applies`: tiny-68m's groups (256 wide) take the one launch; the slice's (4,096 wide,
+    rank 1,024), where the launch measured 20x slower than the rotation and cuBLAS, keep the three launches."""
+    from kernels import output as output_kernel
+
+    if output_kernel.triton is None:
+        pytest.skip("needs Triton")
+    tiny, wide = preset("tiny-68m"), preset("v41-slice")
+    for args, want in ((tiny, True), (wide, False)):
+        G, H, D = args.o_groups, args.n_heads, args.head_dim
+        o = torch.zeros(2, H, D, dtype=torch.bfloat16)
+        wo_a = torch.zeros(G, args.o_lora_rank, H * D // G, dtype=torch.bfloat16)
+        assert output_kernel.applies(o, wo_a, args.rope_head_dim) is want, (G, H, D)
