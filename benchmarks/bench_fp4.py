@@ -148,9 +148,10 @@ def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> Non
                   f"{floor * 1e3:.4f} | {floor / new:.1%} |", flush=True)
 
 
-MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, num_warps=w, num_stages=st) for bn, u, w, st in
-                         [(64, 4, 4, 3), (128, 4, 4, 3), (32, 4, 4, 3), (64, 2, 4, 3), (64, 8, 4, 3), (64, 4, 4, 4),
-                          (128, 4, 8, 3)]],
+MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, S=sp, num_warps=w, num_stages=st) for bn, u, sp, w, st in
+                         [(64, 4, 1, 4, 3), (128, 4, 1, 4, 3), (32, 4, 1, 4, 3), (64, 2, 1, 4, 3), (64, 8, 1, 4, 3),
+                          (64, 4, 1, 4, 4), (128, 4, 1, 8, 3), (64, 4, 2, 4, 3), (64, 4, 4, 4, 3), (64, 2, 8, 4, 3),
+                          (128, 4, 4, 4, 3)]],
              "prefill": [dict(BM=bm, BN=bn, U=u, num_warps=w, num_stages=st) for bm, bn, u, w, st in
                          [(64, 128, 2, 8, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (64, 64, 2, 4, 3),
                           (64, 128, 4, 8, 3), (64, 128, 2, 8, 4), (128, 64, 2, 4, 3), (32, 128, 2, 4, 3),
@@ -168,19 +169,27 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
     w13, w2 = rnd(E, 2 * inter, D // 2), rnd(E, D, inter // 2)
     s13 = torch.full((E, 2 * inter, D // 32), 118, dtype=torch.uint8, device="cuda")
     s2 = torch.full((E, D, inter // 32), 118, dtype=torch.uint8, device="cuda")
-    print("| routed FP4 experts rows | BM, BN, U, warps, stages | ms | floor/measured | TFLOP/s |")
-    print("|---|---|---|---|---|")
+    print("| routed FP4 experts rows | routing | BM, BN, U, S, warps, stages | ms | floor/measured | TFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    # uniform routing (a trained gate's aim), and every row's k among the same 32 experts (v41-slice's random
+    # gate sends 64 rows to ~30 experts a layer: bench_slice.py's count)
+    routings = {"uniform": E, "32 experts": 32}
     for n in [*batches, prefill]:
         x = torch.randn(n, D, generator=gen, device="cuda").bfloat16()
-        ids = torch.rand(n, E, generator=gen, device="cuda").topk(k, dim=-1).indices
         w = torch.rand(n, k, generator=gen, device="cuda")
-        floor = torch.unique(ids).numel() * 3 * D * inter * (0.5 + 1 / 32) / HBM
-        for cfg in MOE_SWEEP["decode" if n * k <= 4 * E else "prefill"]:
-            fn = lambda: fp4_moe.routed_experts(x, w, ids, w13, s13, w2, s2, 10.0, cfg=cfg)
-            s = timed(graphed(fn) if n <= max(batches) else fn, iters, "cuda")
-            flops = 2 * 3 * D * inter * n * k  # w1, w3 and w2 for every (row, slot) pair
-            print(f"| {n} | {', '.join(map(str, cfg.values()))} | {s * 1e3:.3f} | {floor / s:.1%} | "
-                  f"{flops / s / 1e12:.0f} |", flush=True)
+        for routing, among in routings.items():
+            if routing != "uniform" and n > max(batches):
+                continue
+            chosen = torch.randperm(E, generator=gen, device="cuda")[:among]
+            ids = chosen[torch.rand(n, among, generator=gen, device="cuda").topk(k, dim=-1).indices]
+            floor = torch.unique(ids).numel() * 3 * D * inter * (0.5 + 1 / 32) / HBM
+            for cfg in MOE_SWEEP["decode" if n * k <= 4 * E else "prefill"]:
+                fn = lambda: fp4_moe.routed_experts(x, w, ids, w13, s13, w2, s2, 10.0, cfg=cfg)
+                s = timed(graphed(fn) if n <= max(batches) else fn, iters, "cuda")
+                flops = 2 * 3 * D * inter * n * k  # w1, w3 and w2 for every (row, slot) pair
+                shape = ", ".join(str(cfg.get(key, 1)) for key in ("BM", "BN", "U", "S", "num_warps", "num_stages"))
+                print(f"| {n} | {routing} | {shape} | {s * 1e3:.3f} | {floor / s:.1%} | {flops / s / 1e12:.0f} |",
+                      flush=True)
     print("| FP8 GEMM (out x in) | rows | BM, BN, BK, warps | ms (graph) | floor/measured |")
     print("|---|---|---|---|---|")
     for N, K in [(1280, D), (D, 8192)]:
@@ -201,7 +210,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--masked-max", type=int, default=64, help="largest row count the masked path is timed at")
     p.add_argument("--tiny", action="store_true", help="micro widths (CPU check of the script)")
-    p.add_argument("--sweep", action="store_true", help="time tile configurations of both kernels, then stop")
+    p.add_argument("--sweep", action="store_true",
+                   help="time tile configurations of both kernels (the MoE's under uniform routing and, at decode "
+                        "rows, with every row among the same 32 experts), then stop")
     a = p.parse_args()
     device = "cpu" if a.tiny else "cuda"
     args = preset("micro" if a.tiny else "v41-slice")

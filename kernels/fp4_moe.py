@@ -56,10 +56,11 @@ GROUP = 32  # values per e8m0 scale along K (model/quant.py FP4_WEIGHT_GROUP)
 if triton is not None:
 
     @triton.jit
-    def _w_group(w_base, s_base, w_rows, w_live, gi, KP, G, HW_FP8: tl.constexpr, BN: tl.constexpr):
+    def _w_group(w_base, s_base, w_rows, w_live, gi, g_end, KP, G, HW_FP8: tl.constexpr, BN: tl.constexpr):
         """W's rows w_rows [BN] at scale group gi (K values 32·gi to 32·gi + 31: 16 packed bytes a row) as
-        their values [BN, 32] in fp32 (exact in bf16): codes at w_base [., KP], e8m0 scales at s_base [., G]."""
-        live = w_live & (gi < G)
+        their values [BN, 32] in fp32 (exact in bf16), zero from group g_end on: codes at w_base [., KP], e8m0
+        scales at s_base [., G]."""
+        live = w_live & (gi < g_end)
         jj = gi * 16 + tl.arange(0, 16)
         b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=live[:, None], other=0).to(tl.int32)
         codes = tl.reshape(tl.join(b & 15, b >> 4), (BN, 32))  # K value 2j: byte j's low nibble, 2j+1: its high
@@ -68,22 +69,25 @@ if triton is not None:
         return _e4m3_values(((codes & 8) << 4) | ((codes & 7) << 2), HW_FP8) * _e8m0_values(s, 6)[:, None]
 
     @triton.jit
-    def _x_group_t(x_ptr, x_rows, live, gi, K, G):
-        """Rows x_rows [BM] of x bf16 [., K] at scale group gi, transposed: [32, BM]."""
+    def _x_group_t(x_ptr, x_rows, live, gi, g_end, K):
+        """Rows x_rows [BM] of x bf16 [., K] at scale group gi, transposed: [32, BM]; zero from group g_end on."""
         kk = gi * 32 + tl.arange(0, 32)
-        return tl.load(x_ptr + x_rows[None, :] * K + kk[:, None], mask=live[None, :] & (gi < G), other=0.0)
+        return tl.load(x_ptr + x_rows[None, :] * K + kk[:, None], mask=live[None, :] & (gi < g_end), other=0.0)
 
     @triton.jit
-    def _fp4_tile_dot(acc, x_ptr, x_rows, live, K, w_base, s_base, w_rows, w_live,
+    def _fp4_tile_dot(acc, x_ptr, x_rows, live, K, w_base, s_base, w_rows, w_live, groups,
                       HW_FP8: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
-        """acc [BN, BM] += dequant(W[w_rows]) · x[x_rows, :K]ᵀ: the weight is the dot's first operand, decoded
-        in registers (where a tensor-core dot can take it without a trip through shared memory), x's rows its
-        second. K is walked one scale group (32 values) a dot, U groups an iteration."""
+        """acc [BN, BM] += dequant(W[w_rows]) · x[x_rows, :K]ᵀ over this program's part of K: the weight is the
+        dot's first operand, decoded in registers (where a tensor-core dot can take it without a trip through
+        shared memory), x's rows its second. K is walked one scale group (32 values) a dot, U groups an
+        iteration; the program's part is `groups` groups from program_id(2)·groups (all of K unsplit)."""
         KP, G = K // 2, K // 32
-        for g0 in range(0, G, U):
+        g_lo = tl.program_id(2) * groups
+        g_hi = tl.minimum(g_lo + groups, G)
+        for g0 in range(g_lo, g_hi, U):
             for du in tl.static_range(U):
-                acc = _dot(_w_group(w_base, s_base, w_rows, w_live, g0 + du, KP, G, HW_FP8, BN),
-                           _x_group_t(x_ptr, x_rows, live, g0 + du, K, G), acc, BF16)
+                acc = _dot(_w_group(w_base, s_base, w_rows, w_live, g0 + du, g_hi, KP, G, HW_FP8, BN),
+                           _x_group_t(x_ptr, x_rows, live, g0 + du, g_hi, K), acc, BF16)
         return acc
 
     @triton.jit
@@ -95,11 +99,25 @@ if triton is not None:
         return e, r, r < row_end
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, pairs_ptr, tile_ptr, w_ptr, s_ptr, route_ptr, h_ptr, D, I, TOPK, limit,
-                        HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
+    def _swiglu_hidden(g, u, weight, limit, BF16: tl.constexpr):
+        """The hidden from w1's and w3's fp32 sums: each rounded to bf16 as the GEMM output of spec §5 step 1, the
+        clamps, silu(g)·u and the routing weight in fp32 (kernels/moe.py's operations), rounded to bf16."""
+        g = _round_bf16(g, BF16).to(tl.float32)
+        u = _round_bf16(u, BF16).to(tl.float32)
+        if limit > 0:
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            g = tl.minimum(g, limit)
+        hidden = tl.div_rn(g, 1.0 + tl.exp((-g).to(tl.float64)).to(tl.float32)) * u  # silu(g)·u (kernels/moe.py)
+        return _round_bf16(weight * hidden, BF16)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, pairs_ptr, tile_ptr, w_ptr, s_ptr, route_ptr, out_ptr, D, I, TOPK, limit, P,
+                        groups, HW_FP8: tl.constexpr, BF16: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr):
         """BN rows of w13 a program, w1's and w3's interleaved (row 2i: w1's row for output n_i, 2i+1: w3's), so
-        one accumulator and one dot a group serve both: BN / 2 of inter's outputs."""
+        one accumulator and one dot a group serve both: BN / 2 of inter's outputs. Unsplit, the hidden bf16
+        [P, I] to out_ptr; split over K (SPLIT), this part's fp32 sums [SPLIT, P, 2I] (w1's and w3's of output n
+        at 2n, 2n + 1) for `_gate_up_sum_kernel`."""
         pid_n, t = tl.program_id(0), tl.program_id(1)  # a tile's output blocks run side by side: x's rows stay in L2
         e, r, live = _tile_rows(tile_ptr, t, BM)
         if e >= 0:
@@ -111,24 +129,39 @@ if triton is not None:
             w_base = w_ptr + e64 * (2 * I) * (D // 2)  # w13 [E, 2I, D/2]: w1's rows, then w3's
             s_base = s_ptr + e64 * (2 * I) * (D // 32)
             acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, token, live, D, w_base, s_base,
-                                tl.where(i2 % 2 == 0, n2, I + n2), n2 < I, HW_FP8, BF16, BN, U)
-            g, u = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, BM)), (0, 2, 1)))
-            g = _round_bf16(g, BF16).to(tl.float32)  # the GEMM outputs are bf16 (spec §5 step 1)
-            u = _round_bf16(u, BF16).to(tl.float32)
-            if limit > 0:
-                u = tl.minimum(tl.maximum(u, -limit), limit)
-                g = tl.minimum(g, limit)
-            hidden = tl.div_rn(g, 1.0 + tl.exp((-g).to(tl.float64)).to(tl.float32)) * u  # silu(g)·u (kernels/moe.py)
-            weight = tl.load(route_ptr + pair, mask=live, other=0.0)
-            hidden = weight[None, :] * hidden
-            n = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-            tl.store(h_ptr + r.to(tl.int64)[None, :] * I + n[:, None], _round_bf16(hidden, BF16),
-                     mask=live[None, :] & (n < I)[:, None])
+                                tl.where(i2 % 2 == 0, n2, I + n2), n2 < I, groups, HW_FP8, BF16, BN, U)
+            rows = r.to(tl.int64)[None, :]
+            if SPLIT > 1:
+                part = out_ptr + tl.program_id(2).to(tl.int64) * P * 2 * I + rows * (2 * I)
+                tl.store(part + (pid_n * BN + i2)[:, None], acc, mask=live[None, :] & (n2 < I)[:, None])
+            else:
+                g, u = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, BM)), (0, 2, 1)))
+                weight = tl.load(route_ptr + pair, mask=live, other=0.0)
+                n = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+                tl.store(out_ptr + rows * I + n[:, None], _swiglu_hidden(g, u, weight[None, :], limit, BF16),
+                         mask=live[None, :] & (n < I)[:, None])
 
     @triton.jit
-    def _down_kernel(h_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, D, I,
+    def _gate_up_sum_kernel(part_ptr, pairs_ptr, route_ptr, h_ptr, P, I, limit, SPLIT: tl.constexpr,
+                            BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """A split K's hidden: row r's w1 and w3 sums added over the parts in order, then `_swiglu_hidden`."""
+        r = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        at = part_ptr + r * 2 * I + 2 * n
+        stride = P.to(tl.int64) * 2 * I  # one part
+        g = tl.load(at, mask=n < I, other=0.0)
+        u = tl.load(at + 1, mask=n < I, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            g += tl.load(at + s * stride, mask=n < I, other=0.0)
+            u += tl.load(at + s * stride + 1, mask=n < I, other=0.0)
+        weight = tl.load(route_ptr + tl.load(pairs_ptr + r))
+        tl.store(h_ptr + r * I + n, _swiglu_hidden(g, u, weight, limit, BF16), mask=n < I)
+
+    @triton.jit
+    def _down_kernel(h_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, D, I, P, groups,
                      HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr):
+        """The w2 product of BN outputs a program: bf16 [P, D] unsplit, this part's fp32 sums [SPLIT, P, D] split."""
         pid_n, t = tl.program_id(0), tl.program_id(1)  # a tile's output blocks run side by side: x's rows stay in L2
         e, r, live = _tile_rows(tile_ptr, t, BM)
         if e >= 0:
@@ -138,9 +171,12 @@ if triton is not None:
             w_base = w_ptr + e64 * D * (I // 2)  # w2 [E, D, I/2]
             s_base = s_ptr + e64 * D * (I // 32)
             acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), h_ptr, r.to(tl.int64), live, I,
-                                w_base, s_base, n, n_live, HW_FP8, BF16, BN, U)
-            tl.store(out_ptr + r.to(tl.int64)[None, :] * D + n[:, None], _round_bf16(acc, BF16),
-                     mask=live[None, :] & n_live[:, None])
+                                w_base, s_base, n, n_live, groups, HW_FP8, BF16, BN, U)
+            at = out_ptr + tl.program_id(2).to(tl.int64) * P * D + r.to(tl.int64)[None, :] * D + n[:, None]
+            if SPLIT > 1:
+                tl.store(at, acc, mask=live[None, :] & n_live[:, None])
+            else:
+                tl.store(at, _round_bf16(acc, BF16), mask=live[None, :] & n_live[:, None])
 
     @triton.jit
     def _combine_kernel(out_ptr, slots_ptr, shared_ptr, y_ptr, D, TOPK: tl.constexpr, BF16: tl.constexpr,
@@ -164,7 +200,9 @@ def config(pairs: int, experts: int) -> dict:
     """Tile sizes by the shape only: BM pairs a tile (16, tl.dot's least, while an expert gets a few rows on
     average: decode), BN weight rows a program, U scale groups of K (32 values each) an iteration; warps and
     pipeline stages. Chosen by benchmarks/bench_fp4.py --sweep on an H200; no autotuning (a timing-dependent
-    choice would change bits)."""
+    choice would change bits). A `cfg` may also split K into S parts (programs), their fp32 sums added in part
+    order before the roundings, for more programs where few tiles are live; not a default: on an H200, 64 rows
+    took 1-44% longer with S = 2 to 8, routed uniformly or to 32 experts (benchmarks/RESULTS.md)."""
     if pairs <= 4 * experts:  # decode: the best of 7 at 1, 16 and 64 rows (RESULTS.md, H200)
         return dict(BM=16, BN=64, U=4, num_warps=4, num_stages=3)
     if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 14 at 2,048 rows
@@ -208,21 +246,29 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     if D % GROUP or I % GROUP:
         raise ValueError(f"fp4 MoE: dim {D} and inter {I} must be multiples of the scale group {GROUP}")
     cfg = dict(config(N * k, E), **(cfg or {}))
-    BM, BN, U = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U")
+    BM, BN, U, S = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U"), cfg.pop("S", 1)
     pairs, tiles, slots = plan(ids, E, BM)
     if tiles.size(0) > 65535:  # the grid's second axis
         raise ValueError(f"fp4 MoE: {N} rows x {k} make {tiles.size(0)} tiles of {BM}, more than a launch takes "
                          "(65,535); prefill in smaller chunks (max_num_batched_tokens)")
     hw = hw_fp8(xq.device) if hw is None else hw
-    hidden = torch.empty(N * k, I, dtype=torch.bfloat16, device=xq.device)
-    _gate_up_kernel[(triton.cdiv(I, BN // 2), tiles.size(0))](  # BN rows of w13: BN / 2 outputs
+    P, dev = N * k, xq.device
+    parts = lambda K: triton.cdiv(triton.cdiv(K // GROUP, S), U) * U  # scale groups a part of K, whole iterations
+    hidden = torch.empty(P, I, dtype=torch.bfloat16, device=dev)
+    gu = hidden if S == 1 else torch.empty(S, P, 2 * I, dtype=torch.float32, device=dev)
+    _gate_up_kernel[(triton.cdiv(I, BN // 2), tiles.size(0), S)](  # BN rows of w13: BN / 2 outputs
         xq.contiguous(), pairs, tiles, w13.view(torch.uint8), s13.view(torch.uint8), weights.contiguous().view(-1),
-        hidden, D, I, k, float(limit), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, U=U, **cfg)
+        gu, D, I, k, float(limit), P, parts(D), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, **cfg)
+    if S > 1:
+        block = min(1024, triton.next_power_of_2(I))
+        _gate_up_sum_kernel[(P, triton.cdiv(I, block))](gu, pairs, weights.contiguous().view(-1), hidden, P, I,
+                                                        float(limit), SPLIT=S, BF16=xq.is_cuda, BLOCK=block)
     hidden = act_quant_fp8(hidden, GROUP)  # the official linear() before w2
-    out = torch.empty(N * k, D, dtype=torch.bfloat16, device=xq.device)
-    _down_kernel[(triton.cdiv(D, BN), tiles.size(0))](
-        hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, HW_FP8=hw, BF16=xq.is_cuda,
-        BM=BM, BN=BN, U=U, **cfg)
+    out = torch.empty(S, P, D, dtype=torch.bfloat16 if S == 1 else torch.float32, device=dev)
+    _down_kernel[(triton.cdiv(D, BN), tiles.size(0), S)](
+        hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, P, parts(I), HW_FP8=hw,
+        BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, **cfg)
+    out = out[0] if S == 1 else out.sum(0).to(torch.bfloat16)  # the parts in split order, then w2's rounding
     return out, slots
 
 

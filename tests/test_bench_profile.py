@@ -90,13 +90,13 @@ def test_the_slices_prefill_floor_counts_each_part_once():
     assert 6 < floor["total"] < 6.5
 
 
-def test_the_b200_estimate_scales_the_experts_by_what_the_profiled_step_read(tmp_path):
+def test_the_b200_estimate_scales_the_experts_by_what_the_profiled_step_read(tmp_path, monkeypatch, capsys):
     """estimate_b200.py: the routed experts' time scales by the experts a GPU reads under EP over the experts the
     profiled slice step read: the profile's count when it has one (the random slice routes 64 rows to ~30 of 384
     a layer), else the uniform expectation (242.9 at 64 x 6 picks), said so in the output."""
     import json
-    import subprocess
-    import sys
+
+    import estimate_b200
 
     layers = [dict(layer=i, ratio=r, engram_ms=0.0, attention_ms=0.3, rest_ms=1.0, total_ms=1.3)
               for i, r in enumerate((0, 0, 2, 2, 1, 1, 1))]
@@ -107,10 +107,9 @@ def test_the_b200_estimate_scales_the_experts_by_what_the_profiled_step_read(tmp
         d = dict(decode, **({} if count is None else {"experts_per_layer": count}))
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"weight_GB": 57.15, "profile": dict(batch=64, context=4096, decode=d)}))
-        out = subprocess.run([sys.executable, "benchmarks/estimate_b200.py", str(path), "--context", "4096"],
-                             capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=300)
-        assert out.returncode == 0, out.stderr
-        runs[name] = out.stdout
+        monkeypatch.setattr(sys, "argv", ["estimate_b200.py", str(path), "--context", "4096"])
+        estimate_b200.main()
+        runs[name] = capsys.readouterr().out
     assert "against 242.9 of 384 in the profiled slice step (the uniform expectation" in runs["uniform"]
     assert "against 29.0 of 384 in the profiled slice step (counted; 3.250x)" in runs["counted"]
     step = lambda text: float(re.search(r"\*\*([\d.]+) ms\*\*", text).group(1))

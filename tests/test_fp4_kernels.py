@@ -55,6 +55,14 @@ def fp4_experts(E: int, D: int, inter: int, seed: int):
     return tuple(torch.stack([q[i] for q in qs]) for qs in (q13, q2) for i in (0, 1))
 
 
+def moe_inputs(N: int, k: int, E: int, D: int, seed: int):
+    """x bf16 [N, D], routing weights [N, k], k distinct expert ids of E a row, a shared expert's output."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(N, D, generator=g) * 2).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    return x, torch.rand(N, k, generator=g), ids, torch.randn(N, D, generator=g).bfloat16()
+
+
 @needs_interpreter
 @pytest.mark.parametrize("N,k", [(1, 2), (9, 3)])  # decode-like (one row) and several rows per expert
 def test_fp4_moe_matches_the_official_loop(N, k):
@@ -63,13 +71,9 @@ def test_fp4_moe_matches_the_official_loop(N, k):
     to bf16, so one may land an ulp away (2^-8); through SwiGLU and the hidden's FP8 act_quant an ulp can
     move one e4m3 code one step (2^-4 relative of that term): 2^-5 of the output's largest value covers a few
     such flips among an output's terms. At these sizes the sums agree and so do the bits (checked: most)."""
-    E, D, inter = 8, 64, 96  # inter 96: a partial block of the packed K (48 bytes of 64)
+    E, D, inter = 8, 64, 96  # inter 96: 3 scale groups, a partial iteration of the decode tiles' 4
     w13, s13, w2, s2 = fp4_experts(E, D, inter, seed=N)
-    g = torch.Generator().manual_seed(100 + N)
-    x = (torch.randn(N, D, generator=g) * 2).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
-    weights = torch.rand(N, k, generator=g)
-    shared = torch.randn(N, D, generator=g).bfloat16()
+    x, weights, ids, shared = moe_inputs(N, k, E, D, seed=100 + N)
     want = fp4_moe.moe_reference(x, weights, ids, w13, s13, w2, s2, 10.0, shared)
     got = fp4_moe.moe(x, weights, ids, w13, s13, w2, s2, 10.0, shared, hw=N > 1)  # both decodes, one each
     assert got.dtype == torch.bfloat16 and got.shape == (N, D)
@@ -129,3 +133,25 @@ def test_stacking_fp4_experts_keeps_the_parameters_as_views():
         e3.w3.scale.view(torch.uint8).add_(1)
     assert torch.equal(s13[3, inter:], e3.w3.scale.view(torch.uint8))
     assert fp4_moe.fp4_stacked(moe)[0] is w13  # cached while no parameter is replaced
+
+
+@needs_interpreter
+@pytest.mark.parametrize("S", [2, 3])
+def test_fp4_moe_split_over_k_matches_the_official_loop(S):
+    """A `cfg` splitting K into S parts (programs; their fp32 sums added in part order before the GEMM outputs'
+    roundings) gives the official loop's outputs within the tolerance above, and the unsplit kernel's within
+    one bf16 ulp of each GEMM output's sum order. One group an iteration, so D = 64 (2 groups) and inter = 96
+    (3 groups) split into real parts, one of them empty at S = 3."""
+    E, D, inter, N, k = 8, 64, 96, 9, 3
+    from kernels.quant import act_quant_fp8
+
+    w13, s13, w2, s2 = fp4_experts(E, D, inter, seed=S)
+    x, weights, ids, shared = moe_inputs(N, k, E, D, seed=200 + S)
+    want = fp4_moe.moe_reference(x, weights, ids, w13, s13, w2, s2, 10.0, shared)
+    xq = act_quant_fp8(x, 32)
+    whole, slots = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(U=1))
+    split, _ = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(U=1, S=S))
+    got = fp4_moe.combine(split, slots, shared)
+    torch.testing.assert_close(got, want, rtol=0, atol=2**-5 * want.abs().max().item())
+    torch.testing.assert_close(split.float(), whole.float(), rtol=2**-6, atol=2**-5 * whole.abs().max().item())
+    assert (split == whole).float().mean() > 0.9
