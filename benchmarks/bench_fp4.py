@@ -148,14 +148,18 @@ def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> Non
                   f"{floor * 1e3:.4f} | {floor / new:.1%} |", flush=True)
 
 
-MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, S=sp, num_warps=w, num_stages=st) for bn, u, sp, w, st in
-                         [(64, 4, 1, 4, 3), (128, 4, 1, 4, 3), (32, 4, 1, 4, 3), (64, 2, 1, 4, 3), (64, 8, 1, 4, 3),
-                          (64, 4, 1, 4, 4), (128, 4, 1, 8, 3), (64, 4, 2, 4, 3), (64, 4, 4, 4, 3), (64, 2, 8, 4, 3),
-                          (128, 4, 4, 4, 3)]],
-             "prefill": [dict(BM=bm, BN=bn, U=u, num_warps=w, num_stages=st) for bm, bn, u, w, st in
-                         [(64, 128, 2, 8, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (64, 64, 2, 4, 3),
-                          (64, 128, 4, 8, 3), (64, 128, 2, 8, 4), (128, 64, 2, 4, 3), (32, 128, 2, 4, 3),
-                          (64, 256, 2, 8, 3), (128, 256, 2, 8, 3)]]}
+# (BN, U, S, warps, stages, B) at decode, (BM, BN, U, warps, stages, B) at prefill: B=0 the e4m3 decode
+# (kernels/fp4_moe.py config); the e4m3 decode's former best first
+MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, S=sp, B=bits, num_warps=w, num_stages=st)
+                        for bn, u, sp, w, st, bits in
+                        [(64, 4, 1, 4, 3, 0), (64, 4, 1, 4, 3, 1), (128, 4, 1, 4, 3, 1), (32, 4, 1, 4, 3, 1),
+                         (64, 8, 1, 4, 3, 1), (64, 4, 1, 4, 4, 1), (128, 4, 1, 8, 3, 1), (64, 2, 1, 4, 3, 1),
+                         (128, 8, 1, 8, 3, 1), (256, 4, 1, 8, 3, 1), (64, 4, 2, 4, 3, 1)]],
+             "prefill": [dict(BM=bm, BN=bn, U=u, B=bits, num_warps=w, num_stages=st)
+                         for bm, bn, u, w, st, bits in
+                         [(128, 128, 2, 4, 3, 0), (128, 128, 2, 4, 3, 1), (64, 128, 2, 4, 3, 0), (64, 128, 2, 4, 3, 1),
+                          (128, 128, 2, 8, 3, 1), (128, 256, 2, 8, 3, 1), (64, 256, 2, 8, 3, 1), (128, 128, 4, 8, 3, 1),
+                          (64, 128, 4, 4, 3, 1), (128, 64, 2, 4, 3, 1), (128, 64, 4, 4, 3, 1), (64, 64, 2, 4, 3, 1)]]}
 DENSE_SWEEP = {"decode": [(16, 64, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 128, 128, 4), (16, 64, 256, 4)],
                "prefill": [(128, 128, 64, 8), (128, 256, 64, 8), (64, 128, 64, 4), (128, 128, 128, 8)]}
 
@@ -169,7 +173,7 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
     w13, w2 = rnd(E, 2 * inter, D // 2), rnd(E, D, inter // 2)
     s13 = torch.full((E, 2 * inter, D // 32), 118, dtype=torch.uint8, device="cuda")
     s2 = torch.full((E, D, inter // 32), 118, dtype=torch.uint8, device="cuda")
-    print("| routed FP4 experts rows | routing | BM, BN, U, S, warps, stages | ms | floor/measured | TFLOP/s |")
+    print("| routed FP4 experts rows | routing | BM, BN, U, S, B, warps, stages | ms | floor/measured | TFLOP/s |")
     print("|---|---|---|---|---|---|")
     # uniform routing (a trained gate's aim), and every row's k among the same 32 experts (v41-slice's random
     # gate sends 64 rows to ~30 experts a layer: bench_slice.py's count)
@@ -187,7 +191,7 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
                 fn = lambda: fp4_moe.routed_experts(x, w, ids, w13, s13, w2, s2, 10.0, cfg=cfg)
                 s = timed(graphed(fn) if n <= max(batches) else fn, iters, "cuda")
                 flops = 2 * 3 * D * inter * n * k  # w1, w3 and w2 for every (row, slot) pair
-                shape = ", ".join(str(cfg.get(key, 1)) for key in ("BM", "BN", "U", "S", "num_warps", "num_stages"))
+                shape = ", ".join(str(cfg.get(key, 1)) for key in ("BM", "BN", "U", "S", "B", "num_warps", "num_stages"))
                 print(f"| {n} | {routing} | {shape} | {s * 1e3:.3f} | {floor / s:.1%} | {flops / s / 1e12:.0f} |",
                       flush=True)
     print("| FP8 GEMM (out x in) | rows | BM, BN, BK, warps | ms (graph) | floor/measured |")

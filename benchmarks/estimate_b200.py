@@ -108,6 +108,8 @@ def main() -> None:
     p.add_argument("--h200-bw", type=float, default=4.8, help="H200 HBM TB/s (nominal)")
     p.add_argument("--b200-bw", type=float, default=8.0, help="B200 HBM TB/s (nominal)")
     p.add_argument("--b200-gb", type=float, default=180.0, help="B200 memory a process can use, GB")
+    p.add_argument("--h200-sms", type=int, default=132, help="H200 SMs (for kernels bound by issuing instructions)")
+    p.add_argument("--b200-sms", type=int, default=148, help="B200 SMs")
     p.add_argument("--nvlink", type=float, default=900.0, help="NVLink GB/s one way per GPU (B200: NVLink 5)")
     p.add_argument("--collective-us", type=float, default=20.0, help="latency of one small NCCL collective, us")
     a = p.parse_args()
@@ -176,10 +178,11 @@ def main() -> None:
     print("| slice layer (role) | real layers | H200 ms a layer, non-MoE | H200 ms a layer, routed experts | "
           "B200 ms, all its layers |")
     print("|---|---|---|---|---|")
-    step = 0.0
+    step = experts_h200 = 0.0
     for role, n, other in rows:
         ms = n * (other + moe * moe_scale) * graph * bw
         step += ms
+        experts_h200 += n * moe * moe_scale * graph
         print(f"| {role} (ratio {layers[role]['ratio']}) | {n} | {other:.3f} | {moe:.3f} | {ms:.2f} |")
     head = outside * graph * bw
     dim = full.dim
@@ -194,6 +197,14 @@ def main() -> None:
     print(f"| **step** | {full.n_layers} | | | **{step:.1f} ms** |\n")
     print(f"Decode per GPU at batch {a.batch}, context {a.context:,}: ~{a.batch / step * 1e3:,.0f} tokens/s "
           f"({G} GPUs: ~{G * a.batch / step * 1e3:,.0f} tokens/s), an estimate.")
+    # kernels/fp4_moe.py at decode is bound by issuing its decode instructions on the H200, not by HBM
+    # (benchmarks/RESULTS.md): the bandwidth scale above assumes a B200 kernel bound by the expert bytes (a
+    # block-scaled MMA, say); the same kernel as it is would scale by SMs at a like clock
+    sm = a.h200_sms / a.b200_sms
+    issue = step + experts_h200 * (sm - bw)
+    print(f"\nWith the routed experts' kernels bound by instruction issue as on the H200 (scaled by SMs, "
+          f"{a.b200_sms} over {a.h200_sms}, not by bandwidth): the routed experts {experts_h200 * sm:.1f} ms of a "
+          f"**{issue:.1f} ms** step, ~{a.batch / issue * 1e3:,.0f} tokens/s a GPU.")
 
 
 if __name__ == "__main__":

@@ -27,11 +27,15 @@ read from HBM once and from L2 after; each tile's expert weights are read once.
 5. `_combine_kernel`: each row adds its k outputs in fp32 in ascending expert id, the shared expert's
    output (FP8 dense, kernels/fp8_gemm.py) last, one rounding: the adds of the official loop.
 
-FP4 decode: a code's e2m1 bits map onto e4m3 bits (sign to bit 7, exponent and mantissa to bits 2-4), whose
-value is the e2m1 value times 2^-6 (0.5 lands on the e4m3 subnormal 2^-7); the 2^6 goes into the scale.
-So one e4m3 decode (kernels/fp8_gemm.py: hardware on sm_89+, integer arithmetic elsewhere) serves both
-formats. K is walked one scale group (32 values, 16 bytes a row) a dot: a row's bytes split into their two
-nibbles and joined back in K order, each value times its group's scale. The decoded weight is the dot's first
+FP4 decode, by bit patterns (the default): each byte becomes one 32-bit word holding its two codes as bf16
+bit patterns (the magnitude bits at bf16 bits 6-8, the sign at bit 15: the e2m1 value times 2^-126 exactly,
+code 1's 0.5 landing on the bf16 subnormal 2^-127), then one bf16 multiply by 2^(s-1) for the group's e8m0
+byte s (exact: a power of two; finite up to s = 128, BIT_DECODE_MAX_SCALE, which moe_forward checks once).
+About 8 instructions a byte; the e4m3 decode (cfg B=0: the codes' bits onto e4m3 bits, a value times 2^-6,
+through kernels/fp8_gemm.py's e4m3 decode, then an fp32 multiply and a bf16 cast) took about 23, and the
+kernel is bound by issuing them: 1.5x longer at 64 decode rows on an H200 (benchmarks/RESULTS.md). An
+iteration's U scales a row are one word (U divides the groups of both GEMMs; it is halved until it does).
+K is walked one scale group (32 values, 16 bytes a row) a dot. The decoded weight is the dot's first
 operand, which a tensor-core dot takes from registers (wgmma on sm_90; Triton picks the instruction for each
 architecture, nothing here is Hopper-only), and x's rows its second: the product is computed transposed,
 [weight rows, pairs], and stored as [pairs, weight rows].
@@ -51,22 +55,46 @@ except ImportError:
     triton = None
 
 GROUP = 32  # values per e8m0 scale along K (model/quant.py FP4_WEIGHT_GROUP)
+BIT_DECODE_MAX_SCALE = 128  # e8m0 byte: the bit decode's multiplier 2^(s-1) is a finite bf16 up to s = 128
 
 
 if triton is not None:
 
     @triton.jit
-    def _w_group(w_base, s_base, w_rows, w_live, gi, g_end, KP, G, HW_FP8: tl.constexpr, BN: tl.constexpr):
+    def _w_group(w_base, s, w_rows, w_live, gi, g_end, KP, HW_FP8: tl.constexpr, BN: tl.constexpr,
+                 BF16: tl.constexpr, BITS: tl.constexpr):
         """W's rows w_rows [BN] at scale group gi (K values 32·gi to 32·gi + 31: 16 packed bytes a row) as
-        their values [BN, 32] in fp32 (exact in bf16), zero from group g_end on: codes at w_base [., KP], e8m0
-        scales at s_base [., G]."""
+        their values [BN, 32], exact (bf16 compiled, fp32 under the interpreter), zero from group g_end on:
+        codes at w_base [., KP]; s [BN] int32 the group's e8m0 scales."""
         live = w_live & (gi < g_end)
         jj = gi * 16 + tl.arange(0, 16)
         b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=live[:, None], other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(b & 15, b >> 4), (BN, 32))  # K value 2j: byte j's low nibble, 2j+1: its high
-        s = tl.load(s_base + w_rows * G + gi, mask=live, other=127)
-        # e2m1 bits onto e4m3 bits (a value times 2^-6), the scale times 2^6
-        return _e4m3_values(((codes & 8) << 4) | ((codes & 7) << 2), HW_FP8) * _e8m0_values(s, 6)[:, None]
+        if BITS:
+            # A byte's two codes as two bf16 bit patterns in one word, low nibble (the even K value) in the low
+            # half: the magnitude bits c&7 at bf16 bits 6-8 (exponent field e, mantissa m) make 2^(e-127)(1+m/2)
+            # = |v|·2^-126 for e >= 1 and the subnormal m·2^-127 = |v|·2^-126 for e = 0; the sign at bit 15.
+            pair = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -0x7FFF8000)  # 0x80008000
+            if BF16:
+                v = tl.reshape(tl.join((pair & 0xFFFF).to(tl.int16), (pair >> 16).to(tl.int16)), (BN, 32))
+                scale = ((s + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s-1): s <= 128
+                w = v.to(tl.bfloat16, bitcast=True) * scale[:, None]  # a power of two: exact
+            else:
+                v = tl.reshape(tl.join(pair << 16, pair & -65536), (BN, 32))  # the same patterns as fp32's high halves
+                w = v.to(tl.float32, bitcast=True) * _e8m0_values(s, 126)[:, None]
+        else:
+            codes = tl.reshape(tl.join(b & 15, b >> 4), (BN, 32))  # K value 2j: byte j's low nibble, 2j+1: its high
+            # e2m1 bits onto e4m3 bits (a value times 2^-6), the scale times 2^6
+            w = _e4m3_values(((codes & 8) << 4) | ((codes & 7) << 2), HW_FP8) * _e8m0_values(s, 6)[:, None]
+        return w
+
+    @triton.jit
+    def _scales(s_base, w_rows, w_live, g0, g_end, G, U: tl.constexpr):
+        """The e8m0 scales of rows w_rows [BN] at groups g0 to g0 + U - 1 as one word a row (group g0 + u in
+        byte u), one load; zero from group g_end on (its codes are masked to zero). U divides G and g0, so a word
+        is aligned and inside its row."""
+        word = tl.int32 if U == 4 else (tl.int16 if U == 2 else (tl.int64 if U == 8 else tl.uint8))
+        at = (s_base + w_rows * G + g0).to(tl.pointer_type(word))
+        return tl.load(at, mask=w_live & (g0 < g_end), other=0)
 
     @triton.jit
     def _x_group_t(x_ptr, x_rows, live, gi, g_end, K):
@@ -76,17 +104,21 @@ if triton is not None:
 
     @triton.jit
     def _fp4_tile_dot(acc, x_ptr, x_rows, live, K, w_base, s_base, w_rows, w_live, groups,
-                      HW_FP8: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
+                      HW_FP8: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr, U: tl.constexpr,
+                      BITS: tl.constexpr):
         """acc [BN, BM] += dequant(W[w_rows]) · x[x_rows, :K]ᵀ over this program's part of K: the weight is the
         dot's first operand, decoded in registers (where a tensor-core dot can take it without a trip through
         shared memory), x's rows its second. K is walked one scale group (32 values) a dot, U groups an
-        iteration; the program's part is `groups` groups from program_id(2)·groups (all of K unsplit)."""
+        iteration; the program's part is `groups` groups from program_id(2)·groups (all of K unsplit). An
+        iteration's scales are one word a row (`_scales`)."""
         KP, G = K // 2, K // 32
         g_lo = tl.program_id(2) * groups
         g_hi = tl.minimum(g_lo + groups, G)
         for g0 in range(g_lo, g_hi, U):
+            scales = _scales(s_base, w_rows, w_live, g0, g_hi, G, U)
             for du in tl.static_range(U):
-                acc = _dot(_w_group(w_base, s_base, w_rows, w_live, g0 + du, g_hi, KP, G, HW_FP8, BN),
+                s = (scales.to(tl.int64) >> (8 * du)).to(tl.int32) & 255  # byte du: group g0 + du
+                acc = _dot(_w_group(w_base, s, w_rows, w_live, g0 + du, g_hi, KP, HW_FP8, BN, BF16, BITS),
                            _x_group_t(x_ptr, x_rows, live, g0 + du, g_hi, K), acc, BF16)
         return acc
 
@@ -113,7 +145,8 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, pairs_ptr, tile_ptr, w_ptr, s_ptr, route_ptr, out_ptr, D, I, TOPK, limit, P,
                         groups, HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr,
+                        BITS: tl.constexpr):
         """BN rows of w13 a program, w1's and w3's interleaved (row 2i: w1's row for output n_i, 2i+1: w3's), so
         one accumulator and one dot a group serve both: BN / 2 of inter's outputs. Unsplit, the hidden bf16
         [P, I] to out_ptr; split over K (SPLIT), this part's fp32 sums [SPLIT, P, 2I] (w1's and w3's of output n
@@ -129,7 +162,7 @@ if triton is not None:
             w_base = w_ptr + e64 * (2 * I) * (D // 2)  # w13 [E, 2I, D/2]: w1's rows, then w3's
             s_base = s_ptr + e64 * (2 * I) * (D // 32)
             acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, token, live, D, w_base, s_base,
-                                tl.where(i2 % 2 == 0, n2, I + n2), n2 < I, groups, HW_FP8, BF16, BN, U)
+                                tl.where(i2 % 2 == 0, n2, I + n2), n2 < I, groups, HW_FP8, BF16, BN, U, BITS)
             rows = r.to(tl.int64)[None, :]
             if SPLIT > 1:
                 part = out_ptr + tl.program_id(2).to(tl.int64) * P * 2 * I + rows * (2 * I)
@@ -160,7 +193,8 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, D, I, P, groups,
                      HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr,
+                     BITS: tl.constexpr):
         """The w2 product of BN outputs a program: bf16 [P, D] unsplit, this part's fp32 sums [SPLIT, P, D] split."""
         pid_n, t = tl.program_id(0), tl.program_id(1)  # a tile's output blocks run side by side: x's rows stay in L2
         e, r, live = _tile_rows(tile_ptr, t, BM)
@@ -171,7 +205,7 @@ if triton is not None:
             w_base = w_ptr + e64 * D * (I // 2)  # w2 [E, D, I/2]
             s_base = s_ptr + e64 * D * (I // 32)
             acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), h_ptr, r.to(tl.int64), live, I,
-                                w_base, s_base, n, n_live, groups, HW_FP8, BF16, BN, U)
+                                w_base, s_base, n, n_live, groups, HW_FP8, BF16, BN, U, BITS)
             at = out_ptr + tl.program_id(2).to(tl.int64) * P * D + r.to(tl.int64)[None, :] * D + n[:, None]
             if SPLIT > 1:
                 tl.store(at, acc, mask=live[None, :] & n_live[:, None])
@@ -202,12 +236,14 @@ def config(pairs: int, experts: int) -> dict:
     pipeline stages. Chosen by benchmarks/bench_fp4.py --sweep on an H200; no autotuning (a timing-dependent
     choice would change bits). A `cfg` may also split K into S parts (programs), their fp32 sums added in part
     order before the roundings, for more programs where few tiles are live; not a default: on an H200, 64 rows
-    took 1-44% longer with S = 2 to 8, routed uniformly or to 32 experts (benchmarks/RESULTS.md)."""
-    if pairs <= 4 * experts:  # decode: the best of 7 at 1, 16 and 64 rows (RESULTS.md, H200)
+    took 1-44% longer with S = 2 to 8, routed uniformly or to 32 experts (benchmarks/RESULTS.md). And B=0
+    decodes the codes through e4m3 instead of by bit patterns (`_w_group`; the same values, more instructions:
+    moe_forward's path for scales past BIT_DECODE_MAX_SCALE)."""
+    if pairs <= 4 * experts:  # decode: the best of 12 at 1, 16 and 64 rows (RESULTS.md, H200)
         return dict(BM=16, BN=64, U=4, num_warps=4, num_stages=3)
-    if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 14 at 2,048 rows
+    if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 11 at 2,048 rows
         return dict(BM=64, BN=128, U=2, num_warps=4, num_stages=3)
-    return dict(BM=128, BN=128, U=2, num_warps=4, num_stages=3)  # the best of 14 at 8,192 rows
+    return dict(BM=128, BN=64, U=2, num_warps=4, num_stages=3)  # the best of 11 at 8,192 rows
 
 
 def plan(ids: torch.Tensor, n_experts: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -246,11 +282,13 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     if D % GROUP or I % GROUP:
         raise ValueError(f"fp4 MoE: dim {D} and inter {I} must be multiples of the scale group {GROUP}")
     cfg = dict(config(N * k, E), **(cfg or {}))
-    BM, BN, U, S = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U"), cfg.pop("S", 1)
+    BM, BN, U, S, B = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U"), cfg.pop("S", 1), cfg.pop("B", 1)
     pairs, tiles, slots = plan(ids, E, BM)
     if tiles.size(0) > 65535:  # the grid's second axis
         raise ValueError(f"fp4 MoE: {N} rows x {k} make {tiles.size(0)} tiles of {BM}, more than a launch takes "
                          "(65,535); prefill in smaller chunks (max_num_batched_tokens)")
+    while (D // GROUP) % U or (I // GROUP) % U:  # an iteration's scales are one aligned word a row
+        U //= 2
     hw = hw_fp8(xq.device) if hw is None else hw
     P, dev = N * k, xq.device
     parts = lambda K: triton.cdiv(triton.cdiv(K // GROUP, S), U) * U  # scale groups a part of K, whole iterations
@@ -258,7 +296,7 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     gu = hidden if S == 1 else torch.empty(S, P, 2 * I, dtype=torch.float32, device=dev)
     _gate_up_kernel[(triton.cdiv(I, BN // 2), tiles.size(0), S)](  # BN rows of w13: BN / 2 outputs
         xq.contiguous(), pairs, tiles, w13.view(torch.uint8), s13.view(torch.uint8), weights.contiguous().view(-1),
-        gu, D, I, k, float(limit), P, parts(D), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, **cfg)
+        gu, D, I, k, float(limit), P, parts(D), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, BITS=B, **cfg)
     if S > 1:
         block = min(1024, triton.next_power_of_2(I))
         _gate_up_sum_kernel[(P, triton.cdiv(I, block))](gu, pairs, weights.contiguous().view(-1), hidden, P, I,
@@ -267,7 +305,7 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     out = torch.empty(S, P, D, dtype=torch.bfloat16 if S == 1 else torch.float32, device=dev)
     _down_kernel[(triton.cdiv(D, BN), tiles.size(0), S)](
         hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, P, parts(I), HW_FP8=hw,
-        BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, **cfg)
+        BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, BITS=B, **cfg)
     out = out[0] if S == 1 else out.sum(0).to(torch.bfloat16)  # the parts in split order, then w2's rounding
     return out, slots
 
@@ -286,14 +324,14 @@ def combine(out: torch.Tensor, slots: torch.Tensor, shared: torch.Tensor) -> tor
 
 
 def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, s13, w2, s2, limit: float,
-        shared: torch.Tensor, hw: bool | None = None) -> torch.Tensor:
+        shared: torch.Tensor, hw: bool | None = None, cfg: dict | None = None) -> torch.Tensor:
     """The routed experts of model/moe.py MoE.forward plus the shared expert's output `shared` [N, dim]:
     x bf16 [N, dim] -> y bf16 [N, dim]."""
     from kernels.quant import act_quant_fp8
 
     if not x.size(0):
         return torch.empty_like(x)
-    out, slots = routed_experts(act_quant_fp8(x, GROUP), weights, ids, w13, s13, w2, s2, limit, hw)
+    out, slots = routed_experts(act_quant_fp8(x, GROUP), weights, ids, w13, s13, w2, s2, limit, hw, cfg)
     return combine(out, slots, shared)
 
 
@@ -333,13 +371,14 @@ def fp4_stacked(ffn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
     w2 [E, d, inter/2], s2 [E, d, inter/32]. Made once, one expert at a time, and each expert's
     parameters then become views into them (their names, shapes and dtypes unchanged), so the experts'
     memory is not doubled and an in-place change of a weight is seen by both. Remade when a parameter
-    is replaced by another tensor (its data pointer changes)."""
+    is replaced by another tensor (its data pointer changes). Whether every scale is within the bit decode's
+    range (`BIT_DECODE_MAX_SCALE`) is found once, here, and kept beside them for `moe_forward`."""
     def params():
         return [p for e in ffn.experts for lin in (e.w1, e.w3, e.w2) for p in (lin.weight, lin.scale)]
 
     key = tuple(p.data_ptr() for p in params())
     if ffn._stacked is not None and ffn._stacked[0] == key:
-        return ffn._stacked[1:]
+        return ffn._stacked[1:5]
     e0, E = ffn.experts[0], len(ffn.experts)
     inter = e0.w1.weight.size(0)
     like = lambda p, *shape: torch.empty(E, *shape, dtype=torch.uint8, device=p.device)
@@ -353,12 +392,15 @@ def fp4_stacked(ffn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
             scales.copy_(lin.scale.view(torch.uint8))
             lin.weight.data = codes.view(lin.weight.dtype)  # the old storage is freed here
             lin.scale.data = scales.view(lin.scale.dtype)
-    ffn._stacked = (tuple(p.data_ptr() for p in params()), w13, s13, w2, s2)
-    return ffn._stacked[1:]
+    in_range = bool(torch.maximum(s13.max(), s2.max()) <= BIT_DECODE_MAX_SCALE)  # one sync, once
+    ffn._stacked = (tuple(p.data_ptr() for p in params()), w13, s13, w2, s2, in_range)
+    return ffn._stacked[1:5]
 
 
 def moe_forward(ffn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Routed + shared output [N, d] in x's dtype, for x bf16 [N, d]: the FP4 experts through
     kernels/fp4_moe.py (only the selected experts' weights read, decoded in registers), the shared
     expert (FP8) through its FP8Linears, the sum in the official order rounded once."""
-    return moe(x, weights, ids, *fp4_stacked(ffn), ffn.shared_experts.limit, ffn.shared_experts(x))
+    stacked = fp4_stacked(ffn)
+    cfg = None if ffn._stacked[5] else dict(B=0)  # a scale above 2^1: the codes decoded through e4m3
+    return moe(x, weights, ids, *stacked, ffn.shared_experts.limit, ffn.shared_experts(x), cfg=cfg)

@@ -114,3 +114,8 @@ def test_the_b200_estimate_scales_the_experts_by_what_the_profiled_step_read(tmp
     assert "against 29.0 of 384 in the profiled slice step (counted; 3.250x)" in runs["counted"]
     step = lambda text: float(re.search(r"\*\*([\d.]+) ms\*\*", text).group(1))
     assert step(runs["counted"]) > 2 * step(runs["uniform"])
+    # the same experts scaled by SMs instead of bandwidth: their share of the step grows by (8.0/4.8)/(148/132)
+    issue = lambda text: re.search(r"the routed experts ([\d.]+) ms of a \*\*([\d.]+) ms\*\* step", text).groups()
+    experts, total = map(float, issue(runs["counted"]))
+    assert abs(experts - 40 * 0.75 * 3.250 * 132 / 148) < 0.05  # 40 layers x (5.25 ms / 7) x the count's scale
+    assert abs(total - (step(runs["counted"]) + experts * (1 - 148 / 132 * 4.8 / 8.0))) < 0.1

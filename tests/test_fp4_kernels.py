@@ -136,6 +136,42 @@ def test_stacking_fp4_experts_keeps_the_parameters_as_views():
 
 
 @needs_interpreter
+def test_scales_past_the_bit_decodes_range_take_the_e4m3_decode(monkeypatch):
+    """moe_forward decodes the codes by bit patterns only while every scale byte is at most
+    BIT_DECODE_MAX_SCALE (the multiplier 2^(s-1) a finite bf16), found once at stacking; one scale above it
+    (a replaced parameter: restacked) sends the experts through the e4m3 decode, which still gives the official
+    loop's outputs."""
+    from model.config import preset
+    from model.released import Storage, storage_model
+
+    args = preset("micro")
+    model = storage_model(args, Storage()).to_empty(device="cpu")
+    moe = model.layers[0].ffn
+    g = torch.Generator().manual_seed(1)
+    for e in moe.experts:
+        for lin in (e.w1, e.w3, e.w2):
+            codes, scale = quantize_fp4_e8m0(torch.randn(lin.weight.size(0), 2 * lin.weight.size(1), generator=g))
+            lin.weight.data, lin.scale.data = codes.view(lin.weight.dtype), scale.view(lin.scale.dtype)
+    for p in moe.shared_experts.parameters():  # to_empty's memory: zero codes, so a zero shared output
+        p.data.view(torch.uint8).zero_()
+    seen = []
+    real = fp4_moe.routed_experts
+    monkeypatch.setattr(fp4_moe, "routed_experts", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    x, weights, ids, _ = moe_inputs(5, args.n_activated_experts, args.n_routed_experts, args.dim, seed=3)
+    x = x.bfloat16()
+    fp4_moe.moe_forward(moe, x, weights, ids)
+    assert moe._stacked[5] and seen[-1] is None  # in range: the default (bit decode)
+    big = moe.experts[2].w2.scale.view(torch.uint8).clone()
+    big[0, 0] = fp4_moe.BIT_DECODE_MAX_SCALE + 1
+    moe.experts[2].w2.scale.data = big.view(moe.experts[2].w2.scale.dtype)
+    got = fp4_moe.moe_forward(moe, x, weights, ids)
+    assert not moe._stacked[5] and seen[-1] == dict(B=0)
+    w13, s13, w2, s2 = fp4_moe.fp4_stacked(moe)
+    want = fp4_moe.moe_reference(x, weights, ids, w13, s13, w2, s2, moe.shared_experts.limit, moe.shared_experts(x))
+    torch.testing.assert_close(got, want, rtol=0, atol=2**-5 * want.abs().max().item())
+
+
+@needs_interpreter
 @pytest.mark.parametrize("S", [2, 3])
 def test_fp4_moe_split_over_k_matches_the_official_loop(S):
     """A `cfg` splitting K into S parts (programs; their fp32 sums added in part order before the GEMM outputs'
@@ -155,3 +191,26 @@ def test_fp4_moe_split_over_k_matches_the_official_loop(S):
     torch.testing.assert_close(got, want, rtol=0, atol=2**-5 * want.abs().max().item())
     torch.testing.assert_close(split.float(), whole.float(), rtol=2**-6, atol=2**-5 * whole.abs().max().item())
     assert (split == whole).float().mean() > 0.9
+
+
+@needs_interpreter
+@pytest.mark.parametrize("D,inter,U", [(128, 256, 4), (96, 160, 2)])
+def test_fp4_moe_decodes_give_the_same_bits(D, inter, U):
+    """The bit decode (the default) and the e4m3 decode (cfg B=0) give the same outputs bit for bit, and the
+    default's are the official loop's within the tolerance above: with U = 4 groups an iteration (4 and 8
+    groups: a word of four scales a row), and with U = 2 over 3 and 5 groups, which U does not divide, so an
+    iteration takes one group. The scales differ from row to row and group to group, so a byte taken from the
+    wrong group shows; every code occurs, both signs."""
+    E, N, k = 4, 7, 2
+    from kernels.quant import act_quant_fp8
+
+    w13, s13, w2, s2 = fp4_experts(E, D, inter, seed=5)
+    x, weights, ids, shared = moe_inputs(N, k, E, D, seed=205)
+    xq = act_quant_fp8(x, 32)
+    base, slots = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(BN=32, U=U))
+    want = fp4_moe.moe_reference(x, weights, ids, w13, s13, w2, s2, 10.0, shared)
+    torch.testing.assert_close(fp4_moe.combine(base, slots, shared), want, rtol=0, atol=2**-5 * want.abs().max().item())
+    other, _ = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(BN=32, U=U, B=0))
+    assert s13.view(torch.uint8).unique().numel() > 2 and s2.view(torch.uint8).unique().numel() > 2
+    assert all(torch.unique(w.view(torch.uint8) & 15).numel() == 16 for w in (w13, w2))
+    assert torch.equal(other, base)

@@ -76,6 +76,21 @@ def test_compiled_fp4_moe_matches_the_official_loop(N, experts):
     report(f"fp4 moe N={N}", got, want)
 
 
+@pytest.mark.parametrize("N", [1, 64, 2048, 8192])  # the three tiers of fp4_moe.config
+def test_compiled_fp4_decodes_give_the_same_bits(N, experts):
+    """The bit decode (the default: a code's bf16 pattern times 2^(s-1) in a bf16 multiply, the subnormal
+    pattern of code 1 included) and the e4m3 decode (cfg B=0) give the same outputs bit for bit at the slice's
+    widths: the same weight values reach the same dots."""
+    g = torch.Generator(device="cuda").manual_seed(N + 1)
+    E = experts[0].size(0)
+    xq = act_quant_fp8(torch.randn(N, 5120, device="cuda", generator=g).bfloat16(), 32)
+    ids = torch.rand(N, E, device="cuda", generator=g).topk(6, dim=-1).indices
+    weights = torch.rand(N, 6, device="cuda", generator=g) * 0.5
+    want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(B=0))
+    got, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0)
+    assert torch.equal(got, want)
+
+
 def test_grouped_moe_over_fp4_experts_matches_the_masked_path():
     """model/moe.py on CUDA: the grouped path (kernels/fp4_moe.py, FP8 shared expert through fp8_gemm) against
     the masked one (every expert's FP4Linear dequantising, the torch FP8Linear), on a micro model in the
