@@ -10,7 +10,11 @@ configuration's (one head block of all heads: the kernel before heads were split
 Bytes floor: the listed rows (B·S·L·D·2, each query reads its own list) plus q and the output, over
 4.8 TB/s; FLOP floor: 4·B·S·H·L·D over 989 TFLOP/s (bf16 dense).
 
-Usage: python benchmarks/bench_attention.py [--decode 64] [--prefill 8192] [--sweep] [--iters 20]
+With `--rope`, each configuration runs twice: q's RoPE (its last 64 dims) in the kernel's load of q (the
+fused launches' form) and kernels/rope.py rotating q first (two launches, timed together); their outputs must
+be the same bits.
+
+Usage: python benchmarks/bench_attention.py [--decode 64] [--prefill 8192] [--sweep] [--rope] [--iters 20]
 Prints a line per configuration; `--sweep` times every (BLOCK_H, num_warps, num_stages), otherwise the
 kernel's own `config` beside the one-block baseline.
 """
@@ -22,10 +26,11 @@ import itertools
 import torch
 
 from bench_fp4 import timed
-from kernels.attention import config, sparse_attn
+from kernels.attention import config, paged_sparse_attn, sparse_attn
+from kernels.rope import apply_rope
 
 HBM, BF16_PEAK = 4.8e12, 989e12
-H, D, L, N = 64, 512, 640, 4096
+H, D, L, N, R = 64, 512, 640, 4096, 64
 
 
 def inputs(B: int, S: int, gen):
@@ -36,7 +41,20 @@ def inputs(B: int, S: int, gen):
     return q, kv, sink, idx
 
 
-def run(name: str, B: int, S: int, cfgs: list[dict], iters: int, warmup: int, gen) -> None:
+def rope_forms(q, kv, sink, idx, cfg, gen) -> dict:
+    """The two ways q gets its RoPE: {"at load": call, "rope first": call}, each returning the attention."""
+    angles = torch.rand(q.size(0), q.size(1), R // 2, device="cuda", generator=gen) * 6.3
+    freqs = torch.polar(torch.ones_like(angles), angles)  # complex [B, S, R/2]
+    at_load = lambda: paged_sparse_attn(q, None, idx, kv, None, idx, sink, idx, D ** -0.5, cfg, freqs=freqs)
+
+    def first():
+        rotated = q.clone()
+        apply_rope(rotated[..., -R:], freqs)
+        return sparse_attn(rotated, kv, sink, idx, D ** -0.5, cfg)
+    return {"at load": at_load, "rope first": first}
+
+
+def run(name: str, B: int, S: int, cfgs: list[dict], iters: int, warmup: int, gen, rope: bool = False) -> None:
     q, kv, sink, idx = inputs(B, S, gen)
     floor_bytes = (B * S * L * D + 2 * B * S * H * D) * 2 / HBM
     floor_flops = 4 * B * S * H * L * D / BF16_PEAK
@@ -44,6 +62,13 @@ def run(name: str, B: int, S: int, cfgs: list[dict], iters: int, warmup: int, ge
           f"(bytes {floor_bytes * 1e3:.3f}, FLOPs {floor_flops * 1e3:.3f})")
     base = None
     for cfg in cfgs:
+        if rope:
+            calls = rope_forms(q, kv, sink, idx, cfg, gen)
+            outs = {form: call() for form, call in calls.items()}
+            same = "same bits" if torch.equal(*outs.values()) else "OTHER BITS"
+            times = {form: timed(call, iters, "cuda", warmup) * 1e3 for form, call in calls.items()}
+            print(f"  {cfg}: " + ", ".join(f"{form} {ms:.3f} ms" for form, ms in times.items()) + f"; {same}")
+            continue
         try:
             out = sparse_attn(q, kv, sink, idx, D ** -0.5, cfg)
             ms = timed(lambda: sparse_attn(q, kv, sink, idx, D ** -0.5, cfg), iters, "cuda", warmup) * 1e3
@@ -60,6 +85,7 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=64, help="decode rows (one query each)")
     p.add_argument("--prefill", type=int, default=8192, help="prefill queries of one row (0: none)")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--rope", action="store_true", help="q's RoPE at the kernel's load against rotated first")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args()
@@ -73,9 +99,9 @@ def main() -> None:
     else:
         cfgs = [baseline, config(H, D)]
     if a.decode:
-        run("decode", a.decode, 1, cfgs, a.iters, a.warmup, gen)
+        run("decode", a.decode, 1, cfgs, a.iters, a.warmup, gen, a.rope)
     if a.prefill:
-        run("prefill", 1, a.prefill, cfgs, max(2, a.iters // 4), a.warmup, gen)
+        run("prefill", 1, a.prefill, cfgs, max(2, a.iters // 4), a.warmup, gen, a.rope)
 
 
 if __name__ == "__main__":

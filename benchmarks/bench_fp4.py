@@ -11,6 +11,7 @@ CUDA events. Bytes floor: the weight bytes a call must read (the selected expert
 shared expert, the gate's fp32 copy) over 4.8 TB/s, the H200's HBM3e peak.
 
 Usage: python benchmarks/bench_fp4.py [--batches 1,16,64] [--prefill 4096] [--iters 20] [--tiny] [--sweep]
+                                      [--gate-sweep]
 (`--tiny`: micro widths on the CPU, to check the script; not a measurement.)
 """
 from __future__ import annotations
@@ -164,6 +165,44 @@ DENSE_SWEEP = {"decode": [(16, 64, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), 
                "prefill": [(128, 128, 64, 8), (128, 256, 64, 8), (64, 128, 64, 4), (128, 128, 128, 8)]}
 
 
+# the gate's logits at a prefill chunk (rows, experts, d a step, warps, stages), by FMA chains (kernels/moe.py
+# gate_tiles' former tiles first) and on the tensor cores
+GATE_SWEEP = {"FMA": [(64, 128, 64, 4, 3), (64, 128, 32, 4, 3), (128, 128, 16, 8, 4), (64, 64, 32, 4, 3),
+                      (32, 128, 32, 4, 3)],
+              "tensor cores": [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
+                               (128, 128, 32, 8, 4), (64, 64, 64, 4, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3)]}
+
+
+def gate_sweep(args, rows: int, iters: int, gen) -> None:
+    """The gate (logits, softplus, route; kernels/moe.py `gate`) by tiles at `rows` rows: each one's time and
+    whether it gives the first FMA tile's bits (each logit one chain of FMAs over d in order, whatever the tile),
+    or else how many rows pick other experts."""
+    from kernels.moe import gate
+
+    E, D = args.n_routed_experts, args.dim
+    x = torch.randn(rows, D, generator=gen, device="cuda").bfloat16()
+    weight = (torch.randn(E, D, generator=gen, device="cuda") * D ** -0.5).bfloat16()
+    bias, k = torch.randn(E, device="cuda") * 0.1, args.n_activated_experts
+    print("| gate rows | logits | rows, experts, d, warps, stages | ms | TFLOP/s | bits |")
+    print("|---|---|---|---|---|---|")
+    base = None
+    for path, tiles_list in GATE_SWEEP.items():
+        for tiles in tiles_list:
+            call = lambda: gate(x, weight, bias, 1.0, k, True, 1.5, tiles=tiles, tc=path != "FMA")  # noqa: E731
+            try:
+                out = call()
+                s = timed(call, iters, "cuda")
+            except Exception as e:  # a tile the compiler cannot fit: say so, go on
+                print(f"| {rows} | {path} | {tiles} | failed: {type(e).__name__}: {str(e).splitlines()[0][:60]} |||")
+                continue
+            base = out if base is None else base
+            other = (out[1].sort(-1).values != base[1].sort(-1).values).any(-1).sum().item()
+            same = "same" if torch.equal(out[0], base[0]) and torch.equal(out[1], base[1]) else \
+                f"other bits; {other} rows other experts"
+            print(f"| {rows} | {path} | {', '.join(map(str, tiles))} | {s * 1e3:.3f} | "
+                  f"{2 * rows * E * D / s / 1e12:.1f} | {same} |", flush=True)
+
+
 def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
     """Tile configurations of both kernels, each timed (CUDA graph at decode rows, eager at prefill)."""
     from kernels import fp4_moe, fp8_gemm
@@ -214,6 +253,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--masked-max", type=int, default=64, help="largest row count the masked path is timed at")
     p.add_argument("--tiny", action="store_true", help="micro widths (CPU check of the script)")
+    p.add_argument("--gate-sweep", action="store_true", help="time the gate's tiles at --prefill rows, then stop")
     p.add_argument("--sweep", action="store_true",
                    help="time tile configurations of both kernels (the MoE's under uniform routing and, at decode "
                         "rows, with every row among the same 32 experts), then stop")
@@ -225,6 +265,8 @@ def main() -> None:
     if device == "cuda":
         print(f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
               f"torch {torch.__version__}")
+    if a.gate_sweep:
+        return gate_sweep(args, a.prefill, a.iters, gen)
     if a.sweep:
         return sweep(args, batches, a.prefill, a.iters, gen)
     d, inter = args.dim, args.moe_inter_dim

@@ -31,6 +31,10 @@ except ImportError:
     triton = None
 
 BLOCK_K = 64  # indices per online-softmax block (model/attention.py SPARSE_ATTN_BLOCK, spec §2.8)
+# q's RoPE at the kernel's load of q only up to this head width: at 512 (the slice) the rotated q stays in
+# registers beside the [64, 512] fp32 accumulator and the kernel spills (520 bytes a thread compiled for sm_90,
+# against 144 with q rotated before: RESULTS.md); there the RoPE kernel rotates q first, the same bits
+MAX_ROPE_AT_LOAD_WIDTH = 256
 
 
 if triton is not None:
@@ -48,7 +52,7 @@ if triton is not None:
                             sq_b, sq_s, sq_h, si_b, si_s, so_b, so_s, so_h,
                             kv_ptr, NB, skv_b, skv_n,
                             ring_delta, slots_ptr, W, sr_slot, sr_row,
-                            pool_delta, tables_ptr, st_b, PER_BLOCK, sp_blk, sp_row, freqs_ptr,
+                            pool_delta, tables_ptr, st_b, PER_BLOCK: tl.constexpr, sp_blk, sp_row, freqs_ptr,
                             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
                             HAS_RING: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr,
                             BF16: tl.constexpr):
@@ -108,6 +112,11 @@ def applies(q: torch.Tensor, head_dim: int | None = None) -> bool:
     of the same device and dtype as the queries will be) that is a power of two >= 16."""
     D = head_dim or q.size(-1)
     return triton is not None and q.is_cuda and q.dtype == torch.bfloat16 and D >= 16 and D & (D - 1) == 0
+
+
+def rope_at_load(head_dim: int) -> bool:
+    """Whether q's RoPE may happen in the kernel's load of q (the fused launches) at this head width."""
+    return head_dim <= MAX_ROPE_AT_LOAD_WIDTH
 
 
 def config(H: int, D: int) -> dict:

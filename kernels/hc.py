@@ -2,9 +2,11 @@
 
 The mixes (pre, post and the Sinkhorn-normalised comb of every token) in one Triton kernel, and the collapse
 (hc_pre) and expand (hc_post) in one each, replacing model/hc.py's torch ops on CUDA. Between two sublayers
-`hc_handoff` does the expand, the next sublayer's mixes and its collapse in one launch (model/hc.py
-`handoff`): a block's hyper-connections are 3 launches where the separate kernels take 8. The sublayers'
-input RMSNorms stay their modules' own launches: the debugger taps their inputs (tracing/divergence.py).
+`hc_handoff` does the expand, the next sublayer's mixes, its collapse and the collapse's RMSNorm in one launch
+(model/hc.py `handoff`): a block's hyper-connections are 3 launches where the separate kernels take 8. The norm
+modules are still called, with the result, so the debugger's taps on their inputs see what they would
+(tracing/divergence.py). A prefill chunk of a wide stream (V4.1's 20,480) takes 64 tokens a program and its
+mixes on the tensor cores (`handoff_config`).
 
 Mirrors the `hc_split_sinkhorn` kernel of DeepSeek's inference/kernel.py. The torch path (model/hc.py) is
 about 90 small ops per call (20 Sinkhorn rounds of sums and divisions on [N, 4, 4]), 24 calls per forward
@@ -13,14 +15,18 @@ of tiny-68m: at decode sizes that is launch overhead, not arithmetic. The kernel
 
 Numerics: the same operations in the same order as the torch path, in fp32, with IEEE division (div_rn)
 and exp through fp64; sums over 4 values may associate differently and the compiler may fuse a multiply
-and an add, so results agree with the torch path to a few fp32 ulps, not bit for bit. The CPU path stays
-the torch one (its bits are pinned by tests/test_golden.py); tests/test_kernels.py and tests/gpu compare.
+and an add, so results agree with the torch path to a few fp32 ulps, not bit for bit (a prefill chunk's
+mixes on the tensor cores, whose fp32 accumulation truncates: within fp32 rounding of the 20,480-term sums).
+The CPU path stays the torch one (its bits are pinned by tests/test_golden.py); tests/test_kernels.py and
+tests/gpu compare.
 """
 import torch
 
 try:  # Triton ships Linux wheels only; elsewhere model/hc.py's torch path is the only path.
     import triton
     import triton.language as tl
+
+    from kernels.attention import _mm
 except ImportError:
     triton = None
 
@@ -127,6 +133,78 @@ if triton is not None:
             tl.store(normed_ptr + row * D + d, normed.to(normed_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
+    def _hc_handoff_rows_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, scale_ptr, base_ptr, cpre_ptr,
+                                mixes_ptr, pre_ptr, next_post_ptr, next_comb_ptr, x_ptr, norm_w_ptr, normed_ptr, N, D,
+                                M, iters, hc_eps, mix_eps, norm_eps, EXPAND: tl.constexpr, NORM: tl.constexpr,
+                                HC: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+        # `_hc_handoff_kernel`'s operations for T tokens a program (a prefill chunk's), the mixes on the tensor
+        # cores: the stream is bf16, so each of its values is exact in a bf16 operand, and fn (fp32) is split
+        # into three bf16 parts, hi + mid + lo, fn to within 2^-24 of itself; each part's products are exact in
+        # fp32 and summed in fp32, so the mixes are fp32 sums of the same products in another order (within fp32
+        # rounding of the FMA chain, not bit for bit). A block of BLOCK_K stream values lies in one copy c
+        # (D % BLOCK_K == 0). Every sum is a token's own: a token's values do not depend on the tokens beside it.
+        rows = (tl.program_id(0) * T + tl.arange(0, T)).to(tl.int64)
+        live = rows < N
+        K = HC * D
+        m = tl.arange(0, BLOCK_M)
+        acc = tl.zeros([T, BLOCK_M], dtype=tl.float32)
+        squares = tl.zeros([T, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            f = k0 + tl.arange(0, BLOCK_K)  # flat [HC * D] index: copy k0 // D, positions d
+            if EXPAND:  # the copy c of the stream: post_c·y + Σ_j comb[j, c]·h_j, the copies added in order
+                c, d = k0 // D, k0 % D + tl.arange(0, BLOCK_K)
+                y = tl.load(y_ptr + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                post = tl.load(post_ptr + rows * HC + c, mask=live, other=0.0)  # [T]
+                mixed = tl.zeros([T, BLOCK_K], dtype=tl.float32)
+                for jj in tl.static_range(HC):
+                    comb = tl.load(comb_ptr + rows * HC * HC + jj * HC + c, mask=live, other=0.0)  # [T]
+                    h = tl.load(h_ptr + rows[:, None] * K + jj * D + d[None, :], mask=live[:, None], other=0.0)
+                    mixed += comb[:, None] * h.to(tl.float32)
+                stream = (post[:, None] * y + mixed).to(stream_ptr.dtype.element_ty)
+                tl.store(stream_ptr + rows[:, None] * K + f[None, :], stream, mask=live[:, None])
+            else:
+                stream = tl.load(h_ptr + rows[:, None] * K + f[None, :], mask=live[:, None], other=0.0)
+            w = tl.load(fn_ptr + m[:, None] * K + f[None, :], mask=(m < M)[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+            hi = w.to(tl.bfloat16)
+            rest = w - hi.to(tl.float32)  # exact
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            acc += (_mm(stream, tl.trans(lo), BF16) + _mm(stream, tl.trans(mid), BF16)) + _mm(stream, tl.trans(hi),
+                                                                                                BF16)
+            x = stream.to(tl.float32)
+            squares += x * x
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(squares, axis=1), K.to(tl.float32)) + mix_eps))
+        tl.store(mixes_ptr + rows[:, None] * M + m[None, :], acc * rstd[:, None], mask=live[:, None] & (m < M)[None, :])
+        tl.debug_barrier()  # the mixes and the stream, written by every thread, are read by others below
+        _split_sinkhorn(mixes_ptr, scale_ptr, base_ptr, pre_ptr, next_post_ptr, next_comb_ptr, rows, live, iters,
+                        hc_eps, HC)
+        src = stream_ptr if EXPAND else h_ptr
+        sq = tl.zeros([T], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):  # the collapse Σ_j pre_j·h_j, the copies added in order
+            d = d0 + tl.arange(0, BLOCK_D)
+            at = live[:, None] & (d < D)[None, :]
+            x = tl.zeros([T, BLOCK_D], dtype=tl.float32)
+            for jj in tl.static_range(HC):
+                cpre = tl.load(cpre_ptr + rows * HC + jj, mask=live, other=0.0)  # [T]
+                h = tl.load(src + rows[:, None] * K + jj * D + d[None, :], mask=at, other=0.0)
+                x += cpre[:, None] * h.to(tl.float32)
+            x = x.to(x_ptr.dtype.element_ty)  # [T, BLOCK_D]
+            tl.store(x_ptr + rows[:, None] * D + d[None, :], x, mask=at)
+            xf = x.to(tl.float32)  # 0 past D
+            sq += tl.sum(xf * xf, axis=1)
+        if NORM:
+            tl.debug_barrier()  # x, written by every thread, is read back by others
+            inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, D.to(tl.float32)) + norm_eps))
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                at = live[:, None] & (d < D)[None, :]
+                xf = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=at, other=0.0).to(tl.float32)
+                w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+                normed = w[None, :] * (xf * inv[:, None])
+                tl.store(normed_ptr + rows[:, None] * D + d[None, :], normed.to(normed_ptr.dtype.element_ty), mask=at)
+
+    @triton.jit
     def _hc_mixes_kernel(h_ptr, fn_ptr, out_ptr, K, M, norm_eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # one token: mixes [M] = (x · fnᵀ) · rsqrt(mean(x²) + eps) for x = h [K] in fp32, fn [M, K] fp32
         row = tl.program_id(0).to(tl.int64)
@@ -197,19 +275,43 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
+WIDE_STREAM = 8192  # the stream's width (hc·d) from which a prefill chunk's handoff takes T tokens a program
+# ... and the tokens a launch from which it does: at the slice's width on an H200 a token a program takes
+# 0.33 ms at 512 tokens and 5.0 at 8,192, 64 a program 1.2-1.4 ms at either (benchmarks/bench_handoff.py)
+CHUNK_ROWS = 4096
+
+
+def handoff_config(h: torch.Tensor, batch_invariant: bool = False) -> dict:
+    """How a handoff launch of the streams h [..., hc, d] is laid out. A token a program reading all of fn (the
+    form of tiny-68m, whose H200 trace's bits are this form's, and of decode steps), except for a chunk of at
+    least CHUNK_ROWS bf16 tokens of a stream at least WIDE_STREAM wide, outside the batch-invariant mode (where
+    a token's bits must not depend on how many share its launch): there each of 8,192 programs read fn (2 MB
+    at V4.1's 20,480) from L2 for one token (5.0 ms a launch on an H200), and 64 tokens a program share each
+    block of it, the mixes on the tensor cores (`_hc_handoff_rows_kernel`: 1.36 ms; benchmarks/RESULTS.md)."""
+    hc, d = h.shape[-2:]
+    n = h.numel() // (hc * d)
+    if (hc * d >= WIDE_STREAM and n >= CHUNK_ROWS and h.dtype == torch.bfloat16 and d % 64 == 0
+            and not batch_invariant):
+        return dict(T=64, BLOCK_K=64, BLOCK_D=64, num_warps=8)
+    return dict(T=1)
+
+
 def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None,
                fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, pre: torch.Tensor, iters: int,
-               hc_eps: float, mix_eps: float, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0):
-    """The hyper-connections between two sublayers in one launch, a program per token (model/hc.py
-    `handoff`): the expand of the sublayer before (the stream = hc_post(y, h, post, comb); with y None the
-    stream is h, as at a block's start), the mixes of the sublayer after from that stream (`hc_mixes`, then
-    `hc_split_sinkhorn`; mix_eps the statistic's eps), and that sublayer's input before its norm, the stream
-    collapsed with `pre` (`hc_pre`). -> (stream [..., hc, d], (pre, post, comb) of the next sublayer,
-    x [..., d]): the launches of hc_post, hc_mixes, hc_split_sinkhorn and hc_pre in one. The same operations
-    as the separate kernels; the sums over the copies may associate otherwise (another tile shape), so the
+               hc_eps: float, mix_eps: float, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
+               batch_invariant: bool = False, cfg: dict | None = None):
+    """The hyper-connections between two sublayers in one launch (model/hc.py `handoff`), a program per token or, for a
+    prefill chunk of a wide stream, per 64 (`handoff_config`): the expand of the sublayer before (the stream =
+    hc_post(y, h, post, comb); with y None the stream is h, as at a block's start), the mixes of the sublayer after
+    from that stream (`hc_mixes`, then `hc_split_sinkhorn`; mix_eps the statistic's eps), and that sublayer's input
+    before its norm, the stream collapsed with `pre` (`hc_pre`). -> (stream [..., hc, d], (pre, post, comb) of the
+    next sublayer, x [..., d]): the launches of hc_post, hc_mixes, hc_split_sinkhorn and hc_pre in one. The same
+    operations as the separate kernels; the sums over the copies may associate otherwise (another tile shape), so the
     agreement with them and with the torch path is within fp32 rounding before each bf16 rounding.
     With `norm_weight`, also that sublayer's RMSNorm of x (kernels/norm.py's operations on the rounded x, its
-    sum of squares over another tile: within an fp32 ulp of it before the rounding): a fourth value, normed x."""
+    sum of squares over another tile: within an fp32 ulp of it before the rounding): a fourth value, normed x.
+    `handoff_config` lays the launch out (`batch_invariant`: a token's bits independent of the others'); `cfg`
+    overrides it (tests, benchmarks)."""
     hc, d = h.shape[-2:]
     M, lead = fn.size(0), h.shape[:-2]
     h2 = h.contiguous().view(-1, hc, d)
@@ -221,14 +323,20 @@ def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | Non
     next_post, next_comb = torch.empty_like(next_pre), torch.empty(n, hc, hc, dtype=torch.float32, device=h.device)
     x = torch.empty(n, d, dtype=h.dtype, device=h.device)
     normed = torch.empty_like(x) if norm_weight is not None else x
+    cfg = cfg or handoff_config(h, batch_invariant)
     if n:
         args = (y.contiguous(), post.contiguous(), comb.contiguous()) if expand else (h2, mixes, mixes)
-        _hc_handoff_kernel[(n,)](args[0], h2, args[1], args[2], stream, fn.contiguous(), scale.contiguous(),
-                                 base.contiguous(), pre.contiguous(), mixes, next_pre, next_post, next_comb, x,
-                                 norm_weight if norm_weight is not None else x, normed, d, M, iters, hc_eps,
-                                 mix_eps, norm_eps, EXPAND=expand, NORM=norm_weight is not None, HC=hc,
-                                 BLOCK_M=triton.next_power_of_2(M), BLOCK_K=512,
-                                 BLOCK_D=triton.next_power_of_2(d), num_warps=8)
+        common = (args[0], h2, args[1], args[2], stream, fn.contiguous(), scale.contiguous(), base.contiguous(),
+                  pre.contiguous(), mixes, next_pre, next_post, next_comb, x,
+                  norm_weight if norm_weight is not None else x, normed)
+        flags = dict(EXPAND=expand, NORM=norm_weight is not None, HC=hc, BLOCK_M=triton.next_power_of_2(M))
+        if cfg["T"] == 1:
+            _hc_handoff_kernel[(n,)](*common, d, M, iters, hc_eps, mix_eps, norm_eps, **flags, BLOCK_K=512,
+                                     BLOCK_D=triton.next_power_of_2(d), num_warps=8)
+        else:
+            assert d % cfg["BLOCK_K"] == 0 and h.dtype == torch.bfloat16, "T tokens a program: bf16, whole blocks"
+            _hc_handoff_rows_kernel[(triton.cdiv(n, cfg["T"]),)](*common, n, d, M, iters, hc_eps, mix_eps, norm_eps,
+                                                                 **flags, **cfg, BF16=h.is_cuda)
     out = (stream.view(*lead, hc, d), (next_pre.view(*lead, hc), next_post.view(*lead, hc),
                                        next_comb.view(*lead, hc, hc)), x.view(*lead, d))
     return out + (normed.view(*lead, d),) if norm_weight is not None else out

@@ -20,6 +20,8 @@ import torch
 try:  # Triton ships Linux wheels only; elsewhere model/moe.py's torch path is the only path.
     import triton
     import triton.language as tl
+
+    from kernels.attention import _mm
 except ImportError:
     triton = None
 
@@ -106,10 +108,13 @@ if triton is not None:
     @triton.jit
     def _gate_kernel(x_ptr, w_ptr, bias_ptr, sp_ptr, ids_ptr, wout_ptr, N, D, E, temp, route_scale,
                      TEMP: tl.constexpr, ROUTE: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TC: tl.constexpr, BF16: tl.constexpr):
         """Program (rows block, experts block): logits = fp32(x)·Wᵀ by IEEE fp32 FMAs over d in order (each
-        value's chain of adds is the same in any tile or batch), / temp, softplus; then, when one block
-        holds every expert (ROUTE), the route of each row, else the softplus values for `route`."""
+        value's chain of adds is the same in any tile or batch), or with TC (bf16 x and W) on the tensor cores:
+        each product exact in fp32, the sums in fp32 in the MMA's order (which depends on the tile); / temp,
+        softplus; then, when one block holds every expert (ROUTE), the route of each row, else the softplus
+        values for `route`."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
         rows, experts = n[:, None] < N, e[None, :] < E
@@ -118,7 +123,10 @@ if triton is not None:
             d = start + tl.arange(0, BLOCK_D)
             x = tl.load(x_ptr + n[:, None].to(tl.int64) * D + d[None, :], mask=rows & (d[None, :] < D), other=0.0)
             w = tl.load(w_ptr + e[None, :].to(tl.int64) * D + d[:, None], mask=experts & (d[:, None] < D), other=0.0)
-            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+            if TC:
+                acc += _mm(x, w, BF16)
+            else:
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         if TEMP:
             acc = tl.div_rn(acc, temp)
         sp = _softplus(acc)
@@ -151,32 +159,45 @@ def route(softplus: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, route_
 # Each logit is one chain of IEEE FMAs over d in order whatever the tile (tl.dot in "ieee" fp32 on the CUDA cores),
 # so the tile may follow the batch without a row's bits following it (tests/gpu: a row alone and in a batch of
 # 1,000 give the same bits; on an H200 every tile of the sweep in benchmarks/RESULTS.md gave the same bits).
+# From TC_ROWS rows (a prefill chunk) outside the batch-invariant mode, a bf16 weight's logits go on the tensor
+# cores instead: the FMA chains took 2.2 ms a layer at the slice's 8,192 x 384 x 5,120 (15 TFLOP/s) on an H200,
+# the tensor cores 0.19 ms (bench_fp4.py --gate-sweep).
 ROUTE_EXPERTS = 128  # up to this many experts a program holds them all and routes in the same launch
+TC_ROWS = 4096  # above the H200 example trace's chunks (2,048 tokens): its gate bits are the FMA chain's
 
 
-def gate_tiles(N: int, E: int) -> tuple[int, int, int]:
-    """(rows, experts, d a step) a program of the gate's logits for N rows of E experts, by the shape only: the
-    fastest of an H200 sweep (benchmarks/RESULTS.md) at the slice's 384 x 5,120 and tiny-68m's 16 x 512 for
-    64, 256 and 8,192 rows. Few rows want many programs (16 experts each) and long steps of d; a prefill chunk
-    of 8,192 rows wants the weight read few times (128 experts a program). Up to ROUTE_EXPERTS experts one
-    program holds them all."""
+def use_tensor_cores(N: int, weight: torch.Tensor, batch_invariant: bool) -> bool:
+    """Whether the gate's logits of N rows go on the tensor cores (TC_ROWS)."""
+    return N >= TC_ROWS and weight.dtype == torch.bfloat16 and not batch_invariant
+
+
+def gate_tiles(N: int, E: int, tc: bool = False) -> tuple[int, int, int, int, int]:
+    """(rows, experts, d a step, warps, stages) a program of the gate's logits for N rows of E experts, on the
+    tensor cores (`tc`) or by FMA chains, by the shape only: the fastest of H200 sweeps (benchmarks/RESULTS.md,
+    bench_fp4.py --gate-sweep) at the slice's 384 x 5,120 and tiny-68m's 16 x 512 for 64, 256 and 8,192 rows.
+    Few rows want many programs (16 experts each) and long steps of d; a prefill chunk of 8,192 rows wants the
+    weight read few times (128 experts a program). Up to ROUTE_EXPERTS experts one program holds them all."""
     every = max(16, triton.next_power_of_2(E)) if E <= ROUTE_EXPERTS else None
-    if N >= 8192:
-        return 64, every or 128, 64
+    if tc:  # the slice at 8,192 rows: 0.19 ms (the FMA chains 2.2 ms), the best of 8 tiles
+        return 64, every or 64, 64, 4, 3
+    if N >= 8192:  # the slice: 4.97 -> 2.13 ms (8 warps, d in steps of 16 on 4 stages, the best of 12)
+        return (64, every, 64, 4, 3) if every else (128, 128, 16, 8, 4)
     if N > 64 and every is None:
-        return 64, 16, 256
-    return 16, every or 16, 256
+        return 64, 16, 256, 4, 3
+    return 16, every or 16, 256, 4, 3
 
 
 def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float, k: int, norm: bool,
-         route_scale: float, tiles: tuple[int, int, int] | None = None):
-    """The whole gate (spec §5) from x [N, d] (bf16) and the fp32 weight [E, d]: logits in IEEE fp32,
+         route_scale: float, tiles: tuple[int, int, int, int, int] | None = None, batch_invariant: bool = False,
+         tc: bool | None = None):
+    """The whole gate (spec §5) from x [N, d] (bf16) and the weight [E, d] (bf16 or fp32, taken in fp32):
+    logits in IEEE fp32 (on the tensor cores where `use_tensor_cores`, `tc` overriding it),
     / temp (skipped at 1), softplus, then `route`'s selection and weights -> (weights fp32 [N, k], ids int64
     [N, k]). One launch up to ROUTE_EXPERTS experts (tiny-68m: 16), else two (the softplus values, then
     `route`; the slice's 384), where torch takes five (the upcast, the GEMM and its split-K reduction, the
     softplus, the route). Within fp32 rounding of model/moe.py's torch lines (another order of the d sums,
-    the softplus through fp64), so a near tie in the top-k may pick the other expert. `tiles` overrides
-    `gate_tiles` (benchmarks)."""
+    the softplus through fp64; on the tensor cores the sums in fp32 in the MMA's order), so a near tie in
+    the top-k may pick the other expert. `tiles` overrides `gate_tiles` (benchmarks)."""
     N, D = x.shape
     E = weight.size(0)
     ids = torch.empty(N, k, dtype=torch.long, device=x.device)
@@ -184,12 +205,14 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float,
     if not N:
         return w, ids
     one = E <= ROUTE_EXPERTS
-    rows, block_e, depth = tiles or gate_tiles(N, E)
+    tc = use_tensor_cores(N, weight, batch_invariant) if tc is None else tc
+    rows, block_e, depth, warps, stages = tiles or gate_tiles(N, E, tc)
     sp = w if one else torch.empty(N, E, dtype=torch.float32, device=x.device)  # one launch: sp_ptr unused
     _gate_kernel[(triton.cdiv(N, rows), triton.cdiv(E, block_e))](
         x.contiguous(), weight.contiguous(), bias.contiguous(), sp, ids, w, N, D, E, float(temp), float(route_scale),
         TEMP=temp != 1, ROUTE=one, K=k, NORM=bool(norm and k > 1), BLOCK_N=rows, BLOCK_E=block_e,
-        BLOCK_D=depth, BLOCK_K=triton.next_power_of_2(k))
+        BLOCK_D=depth, BLOCK_K=triton.next_power_of_2(k), TC=tc, BF16=x.is_cuda, num_warps=warps,
+        num_stages=stages)
     return (w, ids) if one else route(sp, bias, k, norm, route_scale)
 
 

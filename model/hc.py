@@ -23,7 +23,7 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     """
     if h.is_cuda and USE_KERNEL:  # two Triton launches instead of ~95 ops (kernels/hc.py)
         return hc_kernel.hc_split_sinkhorn(hc_kernel.hc_mixes(h, fn, norm_eps), scale, base, hc, iters, hc_eps)
-    x = h.flatten(-2).float()
+    x = h.flatten(-2).to(torch.promote_types(fn.dtype, torch.float32))  # fp32 (fp64 with an fp64 fn: tests)
     mixes = invariant.linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
     pre = invariant.pointwise(torch.sigmoid, mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps  # torch.sigmoid(..)
     post = 2 * invariant.pointwise(torch.sigmoid, mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
@@ -63,7 +63,8 @@ def handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | None, 
     kernel's result (RMSNorm's `normed`), so that hooks on it see what they would."""
     if USE_KERNEL and use_fused(h):
         h, mixes, x, *normed = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, iters, hc_eps, norm_eps,
-                                                    *((norm.weight, norm.eps) if norm is not None else ()))
+                                                    *((norm.weight, norm.eps) if norm is not None else (None, 0.0)),
+                                                    batch_invariant=invariant.enabled())
         return h, mixes, x, None if norm is None else norm(x, normed=normed[0])
     h = hc_post(y, h, post, comb) if y is not None else h
     x = hc_pre(h, pre)

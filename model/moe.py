@@ -56,10 +56,11 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N,d] -> (weights fp32 [N,k], expert ids [N,k] in descending biased score). With the fused launches
         on (model/attention.py FUSED_LAUNCHES, CUDA): the lines below in one launch (kernels/moe.py `gate`;
-        two beyond 128 experts), fixed tiles, so batch-invariant in either mode."""
+        two beyond 128 experts), the logits by FMA chains whatever the tile, so batch-invariant, except a
+        prefill chunk's outside the batch-invariant mode, on the tensor cores (kernels/moe.py TC_ROWS)."""
         if self.fused and use_fused(x):
-            return moe_kernel.gate(x, self.weight_fp32(), self.bias, self.temp, self.topk, self.norm_topk_prob,
-                                   self.route_scale)
+            return moe_kernel.gate(x, self.weight, self.bias, self.temp, self.topk, self.norm_topk_prob,
+                                   self.route_scale, batch_invariant=invariant.enabled())
         logits = invariant.linear(x.float(), self.weight_fp32())  # F.linear outside the mode
         softplus = invariant.pointwise(F.softplus, logits if self.temp == 1 else logits / self.temp)  # x/1 skipped
         if softplus.is_cuda and self.fused:

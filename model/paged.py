@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import indexer as indexer_kernel, paged as paged_kernel
+from kernels import attention as attention_kernel, indexer as indexer_kernel, paged as paged_kernel
 from kernels.attention import paged_sparse_attn
 from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, use_attention_kernel, \
     use_fused, use_kernels, window_index
@@ -168,8 +168,10 @@ class PagedModel:
         if ("freqs", bool(r)) not in cache:
             cache["freqs", bool(r)] = self.weights.rope(r, x.device)[step.positions.clamp(max=args.max_seq_len - 1)]
         freqs = cache["freqs", bool(r)]
-        # with the fused launches on, q's RoPE happens in sparse attention's load of q (the same bits)
-        rope_at_load = use_fused(x) and use_attention_kernel(x, args.head_dim)
+        # with the fused launches on, q's RoPE happens in sparse attention's load of q (the same bits), for heads
+        # up to kernels/attention.py MAX_ROPE_AT_LOAD_WIDTH wide
+        rope_at_load = use_fused(x) and use_attention_kernel(x, args.head_dim) and \
+            attention_kernel.rope_at_load(args.head_dim)
         qr, q = attn.queries(x, None if rope_at_load else freqs)
         kv = attn.window_kv(x, freqs)
         capture = shared["capture"]

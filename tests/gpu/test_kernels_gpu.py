@@ -49,12 +49,28 @@ def test_compiled_hc_sinkhorn_matches_the_torch_path(n):
         print(f"{name}: {(a != b).float().mean().item():.2%} of values differ, max {(a - b).abs().max().item():.3g}")
 
 
-@pytest.mark.parametrize("n, d", [(64, 128), (1000, 128), (64, 5120)])
+# a prefill chunk's handoff at wide streams (kernels/hc.py handoff_config: 64 tokens a program, the mixes on the
+# tensor cores), and other tiles of it
+WIDE_FORMS = [dict(T=64, BLOCK_K=64, BLOCK_D=64, num_warps=8), dict(T=32, BLOCK_K=32, BLOCK_D=128, num_warps=4)]
+
+
+def mixes_error(mixes, stream, fn, scale, base) -> float:
+    """The largest difference of (pre, post, comb) from the same stream's in fp64 (model/hc.py's torch lines)."""
+    want = hc.hc_mixes(stream.cpu(), fn.cpu().double(), scale.cpu().double(), base.cpu().double(), 4, 20, 1e-6, 1e-20)
+    return max((got.cpu().double() - w).abs().max().item() for got, w in zip(mixes, want))
+
+
+@pytest.mark.parametrize("n, d, cfg", [(64, 128, None), (1000, 128, None), (64, 5120, None), (1000, 5120, None),
+                                       *[(n, 5120, form) for n in (64, 1000) for form in WIDE_FORMS]])
 @pytest.mark.parametrize("expand", [True, False])
-def test_compiled_hc_handoff_matches_the_separate_kernels_and_the_torch_path(n, d, expand):
-    """The fused handoff (kernels/hc.py) against the four launches it replaces and against model/hc.py's torch
-    ops: the stream and the collapse within a bf16 ulp; the mixes from the same stream within fp32 rounding
-    (those of the kernels' own stream, so that a stream value an ulp apart does not count twice)."""
+def test_compiled_hc_handoff_matches_the_separate_kernels_and_the_torch_path(n, d, cfg, expand):
+    """The fused handoff (kernels/hc.py; `cfg` None: its own form for the shape) against the four launches it
+    replaces and against model/hc.py's torch ops: the stream and the collapse within a bf16 ulp; the mixes (of
+    the kernels' own stream, so that a stream value an ulp apart does not count twice) no further from the
+    same stream's fp64 mixes than theirs are, twice over, plus 2^-17 for the tensor cores' fp32 accumulation,
+    which truncates (a prefill chunk's form at the slice's width: 2.6-6.2e-6 from fp64 where the FMA chain
+    is 0.7-1.3e-6, on an H200; at 20,480 values a token two fp32 sums in another order differ by far more
+    than an ulp); at tiny-68m's width within 1e-5 of theirs."""
     from kernels import hc as hc_kernel
 
     g = torch.Generator(device="cuda").manual_seed(n + d + expand)
@@ -65,7 +81,7 @@ def test_compiled_hc_handoff_matches_the_separate_kernels_and_the_torch_path(n, 
     fn = torch.randn(24, 4 * d, device="cuda", generator=g) * 0.05
     scale, base = torch.randn(3, device="cuda", generator=g), torch.randn(24, device="cuda", generator=g)
     pre = torch.rand(n, 4, device="cuda", generator=g)
-    stream, mixes, x = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20)
+    stream, mixes, x = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20, cfg=cfg)
     kernels = (hc_kernel.hc_post(y, h, post, comb) if expand else h,
                hc_kernel.hc_split_sinkhorn(hc_kernel.hc_mixes(stream, fn, 1e-20), scale, base, 4, 20, 1e-6),
                hc_kernel.hc_pre(stream, pre))
@@ -75,25 +91,26 @@ def test_compiled_hc_handoff_matches_the_separate_kernels_and_the_torch_path(n, 
                      hc.hc_pre(stream, pre))
     finally:
         hc.USE_KERNEL = True
+    error = mixes_error(mixes, stream, fn, scale, base)
     for want, label in ((kernels, "separate kernels"), (reference, "torch path")):
         # a bf16 ulp is at most 2^-7 of a value; a sum that cancels to near 0 is off by its terms' fp32 rounding
         torch.testing.assert_close(stream.float(), want[0].float(), rtol=2 ** -7, atol=2 ** -16,
                                    msg=lambda m: f"{label}, the stream: {m}")
-        for name, a, b in zip(("pre", "post", "comb"), want[1], mixes):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}, {name}: {m}")
+        their_error = mixes_error(want[1], stream, fn, scale, base)
+        assert error <= 2 * their_error + 2 ** -17, f"{label}: mixes {error:.3g} from fp64, theirs {their_error:.3g}"
+        if d == 128:
+            for name, a, b in zip(("pre", "post", "comb"), want[1], mixes):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}, {name}: {m}")
         torch.testing.assert_close(x.float(), want[2].float(), rtol=2 ** -7, atol=2 ** -16,
                                    msg=lambda m: f"{label}, x: {m}")
         print(f"{label}: {(stream != want[0]).float().mean().item():.3%} of the stream and "
-              f"{(x != want[2]).float().mean().item():.3%} of x differ")
+              f"{(x != want[2]).float().mean().item():.3%} of x differ; the mixes {error:.3g} from fp64, theirs "
+              f"{their_error:.3g}")
 
 
-@pytest.mark.parametrize("n, d", [(64, 128), (64, 5120)])
-def test_compiled_hc_handoff_norm_matches_the_norm_kernel(n, d):
-    """The handoff's RMSNorm of its collapse (issue #20 item 5: the attn_norm and ffn_norm launches folded in)
-    against kernels/norm.py on the same x, compiled: within a bf16 ulp (another tile sums the squares)."""
-    from kernels import hc as hc_kernel, norm as norm_kernel
-
-    g = torch.Generator(device="cuda").manual_seed(n + d)
+def expand_norm_inputs(n: int, d: int, seed: int):
+    """A handoff's inputs with an expand and a norm: y, h, post, comb, fn, scale, base, pre and the norm weight."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     h = torch.randn(n, 4, d, device="cuda", generator=g).bfloat16()
     y = torch.randn(n, d, device="cuda", generator=g).bfloat16()
     post, comb = torch.rand(n, 4, device="cuda", generator=g) * 2, torch.rand(n, 4, 4, device="cuda", generator=g)
@@ -101,9 +118,37 @@ def test_compiled_hc_handoff_norm_matches_the_norm_kernel(n, d):
     scale, base = torch.randn(3, device="cuda", generator=g), torch.randn(24, device="cuda", generator=g)
     pre = torch.rand(n, 4, device="cuda", generator=g)
     weight = (torch.rand(d, device="cuda", generator=g) + 0.5).bfloat16()
-    plain = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20)
+    return y, h, post, comb, fn, scale, base, pre, weight
+
+
+@pytest.mark.parametrize("cfg", WIDE_FORMS)
+def test_compiled_hc_handoff_of_a_token_does_not_depend_on_the_tokens_beside_it(cfg):
+    """At the slice's width a prefill chunk's handoff takes several tokens a program (kernels/hc.py
+    handoff_config): every value of a token, alone or the 6th of 37 (so in another program's slot, beside
+    other tokens), bit for bit."""
+    from kernels import hc as hc_kernel
+
+    n, d = 37, 5120
+    y, h, post, comb, fn, scale, base, pre, weight = expand_norm_inputs(n, d, seed=5)
+    run = lambda rows: hc_kernel.hc_handoff(y[rows], h[rows], post[rows], comb[rows], fn, scale, base, pre[rows], 20,
+                                            1e-6, 1e-20, weight, 1e-6, cfg=cfg)
+    stream, mixes, x, normed = run(slice(0, n))
+    alone = run(slice(5, 6))
+    assert torch.equal(alone[0], stream[5:6]) and torch.equal(alone[2], x[5:6]) and torch.equal(alone[3], normed[5:6])
+    assert all(torch.equal(a, b[5:6]) for a, b in zip(alone[1], mixes))
+
+
+@pytest.mark.parametrize("n, d, cfg", [(64, 128, None), (64, 5120, None), (1000, 5120, WIDE_FORMS[0])])
+def test_compiled_hc_handoff_norm_matches_the_norm_kernel(n, d, cfg):
+    """The handoff's RMSNorm of its collapse (issue #20 item 5: the attn_norm and ffn_norm launches folded in)
+    against kernels/norm.py on the same x, compiled: within a bf16 ulp (another tile sums the squares); the
+    stream and the collapse the launch without the norm gives (a prefill chunk's form too)."""
+    from kernels import hc as hc_kernel, norm as norm_kernel
+
+    y, h, post, comb, fn, scale, base, pre, weight = expand_norm_inputs(n, d, seed=n + d)
+    plain = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20, cfg=cfg)
     stream, mixes, x, normed = hc_kernel.hc_handoff(y, h, post, comb, fn, scale, base, pre, 20, 1e-6, 1e-20,
-                                                    weight, 1e-6)
+                                                    weight, 1e-6, cfg=cfg)
     assert torch.equal(stream, plain[0]) and torch.equal(x, plain[2])
     want = norm_kernel.rms_norm(x, weight, 1e-6)
     torch.testing.assert_close(normed.float(), want.float(), rtol=2 ** -7, atol=2 ** -16)
@@ -436,9 +481,43 @@ def test_compiled_gate_is_the_torch_gate_within_fp32_rounding_and_batch_invarian
     alone = [gate(x[i:i + 1], module.weight_fp32(), module.bias, 1.0, k, True, 1.5) for i in (0, 17, 999)]
     for i, (w, ids) in zip((0, 17, 999), alone):
         assert torch.equal(w, got_w[i:i + 1]) and torch.equal(ids, got_ids[i:i + 1])
+    bf16_weight = gate(x, module.weight, module.bias, 1.0, k, True, 1.5)  # upcast in the kernel: the same chains
+    assert torch.equal(bf16_weight[0], got_w) and torch.equal(bf16_weight[1], got_ids)
     print(f"E={E} d={d}: {(dense[0][same] != dense[1][same]).float().mean().item():.3%} of weights differ, "
           f"{(~same).sum().item()} rows pick otherwise ({(~clear).sum().item()} near ties), "
           f"{(got_ids != want_ids).any(-1).sum().item()} in another order")
+
+
+def test_compiled_gate_of_a_prefill_chunk_on_the_tensor_cores():
+    """A prefill chunk's gate at the slice's widths (8,192 rows of 384 x 5,120, kernels/moe.py TC_ROWS): the
+    logits of bf16 x and W on the tensor cores (exact products, fp32 sums), against the same inputs' logits in
+    fp64: the same experts wherever the k-th and next biased scores are apart by more than 1e-4, the weights
+    within 1e-4 (the FMA chain's bound in the test above is 1e-5); a row's bits the same whatever rows share
+    its tiles (x shifted by 64 rows, half a tile); the batch-invariant mode keeps the FMA chains."""
+    from kernels.moe import TC_ROWS, gate
+
+    E, d, k, n = 384, 5120, 6, 8192 + 64
+    assert n - 64 >= TC_ROWS
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(E, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
+    bias = torch.randn(E, device="cuda", generator=g) * 0.1
+    got_w, got_ids = gate(x[:8192], weight, bias, 1.0, k, True, 1.5)
+    shifted = gate(x[64:], weight, bias, 1.0, k, True, 1.5)
+    assert torch.equal(shifted[0][:-64], got_w[64:]) and torch.equal(shifted[1][:-64], got_ids[64:])
+    scores = F.softplus(F.linear(x[:8192].double(), weight.double())).sqrt()
+    top = (scores + bias.double()).topk(k + 1, dim=-1)
+    clear = (top.values[:, k - 1] - top.values[:, k]) > 1e-4
+    assert clear.float().mean() > 0.9
+    assert torch.equal(got_ids[clear].sort(-1).values, top.indices[clear, :k].sort(-1).values)
+    want = scores.gather(1, got_ids)
+    want = want / want.sum(-1, keepdim=True) * 1.5
+    torch.testing.assert_close(got_w[clear].double(), want[clear], rtol=1e-4, atol=0)
+    fma = gate(x[:8192], weight, bias, 1.0, k, True, 1.5, batch_invariant=True)
+    chains = gate(x[:8192], weight.float(), bias, 1.0, k, True, 1.5)
+    assert torch.equal(fma[0], chains[0]) and torch.equal(fma[1], chains[1])
+    print(f"{(~clear).sum().item()} near ties; weights {(got_w[clear].double() - want[clear]).abs().max().item():.3g} "
+          f"from fp64 at most; {(got_ids != fma[1]).any(-1).sum().item()} rows pick otherwise than the FMA chains")
 
 
 def test_indexer_kernels_compiled_match_the_torch_paths():

@@ -19,16 +19,23 @@ pytestmark = [
                        reason="the v41-slice weights take ~57 GB of GPU memory"),
 ]
 
-# 4 prompts of 1100-1300 tokens (ratio-2 layers: 550+ entries, ratio-1: 1100+, top-k 512), 8 tokens each
+# 4 prompts of 1100-1300 tokens (ratio-2 layers: 550+ entries, ratio-1: 1100+, top-k 512), 8 tokens each; the
+# first prefill step takes 4,096 tokens of them, a chunk large enough for the prefill forms of the handoff and
+# the gate (kernels/hc.py CHUNK_ROWS, kernels/moe.py TC_ROWS), the second the rest
+CHUNK = 4096
 WORKLOAD = ["--num-prompts", "4", "--input-len", "1100:1300", "--output-len", "8:8", "--cancel-rate", "0",
-            "--max-num-seqs", "4", "--max-num-batched-tokens", "2048", "--num-kv-blocks", "48"]
+            "--max-num-seqs", "4", "--max-num-batched-tokens", str(CHUNK), "--num-kv-blocks", "48"]
 
 
 def test_a_slice_trace_recorded_on_cuda_checks_to_identical_tokens(tmp_path, capsys):
+    from kernels.hc import CHUNK_ROWS
+    from kernels.moe import TC_ROWS
     from tracing.execute import check_tokens
     from tracing.reader import open_trace
     from tracing.verify import verify
     from tui.cli import main
+
+    assert CHUNK >= max(CHUNK_ROWS, TC_ROWS)
 
     trace = tmp_path / "slice.mdt"
     assert main(["record", "-o", str(trace), "--model", "v41-slice", "--device", "cuda", *WORKLOAD]) == 0
