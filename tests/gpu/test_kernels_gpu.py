@@ -493,18 +493,18 @@ def test_compiled_gate_of_a_prefill_chunk_on_the_tensor_cores():
     logits of bf16 x and W on the tensor cores (exact products, fp32 sums), against the same inputs' logits in
     fp64: the same experts wherever the k-th and next biased scores are apart by more than 1e-4, the weights
     within 1e-4 (the FMA chain's bound in the test above is 1e-5); a row's bits the same whatever rows share
-    its tiles (x shifted by 64 rows, half a tile); the batch-invariant mode keeps the FMA chains."""
-    from kernels.moe import TC_ROWS, gate
+    its tiles (x shifted by 32 rows, half a tile of rows); the batch-invariant mode keeps the FMA chains."""
+    from kernels.moe import TC_ROWS, gate, gate_tiles
 
-    E, d, k, n = 384, 5120, 6, 8192 + 64
-    assert n - 64 >= TC_ROWS
+    E, d, k, n = 384, 5120, 6, 8192 + 32
+    assert gate_tiles(8192, E, tc=True)[0] == 64 and 8192 >= TC_ROWS
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(n, d, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(E, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
     bias = torch.randn(E, device="cuda", generator=g) * 0.1
     got_w, got_ids = gate(x[:8192], weight, bias, 1.0, k, True, 1.5)
-    shifted = gate(x[64:], weight, bias, 1.0, k, True, 1.5)
-    assert torch.equal(shifted[0][:-64], got_w[64:]) and torch.equal(shifted[1][:-64], got_ids[64:])
+    shifted = gate(x[32:], weight, bias, 1.0, k, True, 1.5)
+    assert torch.equal(shifted[0][:-32], got_w[32:]) and torch.equal(shifted[1][:-32], got_ids[32:])
     scores = F.softplus(F.linear(x[:8192].double(), weight.double())).sqrt()
     top = (scores + bias.double()).topk(k + 1, dim=-1)
     clear = (top.values[:, k - 1] - top.values[:, k]) > 1e-4
