@@ -177,6 +177,50 @@ def test_hc_handoff_kernel_matches_the_torch_path(expand, d, cfg):
     assert not expand or not torch.equal(got_x, hc.hc_pre(h, pre))  # the expanded stream is the one collapsed
 
 
+def test_only_a_prefill_chunk_of_a_wide_stream_takes_the_tensor_core_forms():
+    """kernels/hc.py handoff_config and kernels/moe.py use_tensor_cores: 64 tokens a handoff program and the gate's
+    logits on the tensor cores from 4,096 bf16 rows of the slice's widths; a token a program and the FMA chains
+    below that, at tiny-68m's width, in fp32 and in the batch-invariant mode (a token's bits its own)."""
+    from kernels.hc import CHUNK_ROWS, handoff_config
+    from kernels.moe import TC_ROWS, use_tensor_cores
+
+    stream = lambda n, d=5120, dtype=torch.bfloat16: torch.empty(n, 4, d, dtype=dtype, device="meta")  # noqa: E731
+    assert handoff_config(stream(CHUNK_ROWS))["T"] == 64
+    for h in (stream(CHUNK_ROWS - 1), stream(CHUNK_ROWS, d=128), stream(CHUNK_ROWS, dtype=torch.float32)):
+        assert handoff_config(h) == dict(T=1)
+    assert handoff_config(stream(CHUNK_ROWS), batch_invariant=True) == dict(T=1)
+    weight = torch.empty(384, 5120, dtype=torch.bfloat16, device="meta")
+    assert use_tensor_cores(TC_ROWS, weight, False)
+    assert not use_tensor_cores(TC_ROWS - 1, weight, False) and not use_tensor_cores(TC_ROWS, weight, True)
+    assert not use_tensor_cores(TC_ROWS, weight.float(), False)
+
+
+@pytest.mark.parametrize("invariant_mode", [False, True])
+def test_the_fused_handoff_and_gate_are_told_the_batch_invariant_mode(monkeypatch, invariant_mode):
+    """model/hc.py `handoff` and model/moe.py `Gate` pass the mode to their fused launches, which keep a token's
+    bits its own in it (the kernels, recorded here, are CUDA-only; the switch is what is checked)."""
+    import model.hc as model_hc
+    import model.moe as model_moe
+    from kernels import moe as moe_kernel
+    from model import invariant
+    from model.moe import Gate
+
+    seen = {}
+    record = lambda name: lambda *a, batch_invariant, **k: seen.setdefault(name, batch_invariant)  # noqa: E731
+    monkeypatch.setattr(model_hc, "use_fused", lambda x: True)
+    monkeypatch.setattr(model_moe, "use_fused", lambda x: True)
+    monkeypatch.setattr(hc_kernel, "hc_handoff", record("handoff"))
+    monkeypatch.setattr(moe_kernel, "gate", record("gate"))
+    h, fn = torch.zeros(2, 4, 8), torch.zeros(24, 32)
+    with invariant.mode(invariant_mode), pytest.raises(TypeError):  # the recorder returns no tuple: stop there
+        model_hc.handoff(None, h, None, None, fn, fn[0, :3], fn[0], 4, 20, 1e-6, 1e-6, h[..., 0])
+    gate = Gate(SimpleNamespace(n_activated_experts=2, gate_temp=1.0, route_scale=1.0, norm_topk_prob=True,
+                                n_routed_experts=16, dim=8))
+    with invariant.mode(invariant_mode):
+        gate(torch.zeros(3, 8))
+    assert seen == {"handoff": invariant_mode, "gate": invariant_mode}
+
+
 @needs_interpreter
 @pytest.mark.parametrize("cfg", [None, WIDE])
 @pytest.mark.parametrize("d", [128, 80])
