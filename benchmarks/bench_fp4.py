@@ -182,7 +182,7 @@ def gate_sweep(args, rows: int, iters: int, gen) -> None:
     E, D = args.n_routed_experts, args.dim
     x = torch.randn(rows, D, generator=gen, device="cuda").bfloat16()
     weight = (torch.randn(E, D, generator=gen, device="cuda") * D ** -0.5).bfloat16()
-    bias, k = torch.randn(E, device="cuda") * 0.1, args.n_activated_experts
+    bias, k = torch.randn(E, generator=gen, device="cuda") * 0.1, args.n_activated_experts
     print("| gate rows | logits | rows, experts, d, warps, stages | ms | TFLOP/s | bits |")
     print("|---|---|---|---|---|---|")
     base = None
