@@ -15,6 +15,9 @@ Numerics:
   the two RMS statistics over dim, the dot, the clamp, the signed square root, the sigmoid, h + gate·value,
   one rounding); the sums over dim associate otherwise and rsqrt is computed as a correctly rounded 1/sqrt,
   so the result agrees with the torch path within fp32 rounding before its bf16 rounding, not bit for bit.
+  Past WIDE_D (the released 5,120) the gate runs in two passes over dim (`_engram_gate_wide_kernel`), its sums
+  kept per lane and reduced at the end: another association, the same tolerance; up to it (tiny-68m) the
+  one-pass kernel's bits are unchanged.
 """
 import torch
 
@@ -92,6 +95,46 @@ if triton is not None:
         tl.store(out_ptr + row * HC * D + at, _round_bf16(out, COMPILED), mask=m)
 
 
+    @triton.jit
+    def _engram_gate_wide_kernel(x_ptr, kv_ptr, q_ptr, k_ptr, out_ptr, D, eps, scale, clamp, HC: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+        # `_engram_gate_kernel` for a wide dim (past WIDE_D): the three sums over dim built BLOCK_D values at a
+        # time (per-lane fp32 partial sums, reduced once at the end), then a second pass for h + gate·value
+        row = tl.program_id(0).to(tl.int64)
+        j, d0 = tl.arange(0, HC), tl.arange(0, BLOCK_D)
+        hh = tl.zeros((HC, BLOCK_D), dtype=tl.float32)
+        kk = tl.zeros((HC, BLOCK_D), dtype=tl.float32)
+        hwk = tl.zeros((HC, BLOCK_D), dtype=tl.float32)
+        for start in range(0, D, BLOCK_D):
+            d = start + d0
+            at = j[:, None] * D + d[None, :]
+            m = d[None, :] < D
+            h = tl.load(x_ptr + row * HC * D + at, mask=m, other=0.0).to(tl.float32)
+            key = tl.load(kv_ptr + row * (HC + 1) * D + at, mask=m, other=0.0).to(tl.float32)
+            weight = (tl.load(q_ptr + at, mask=m, other=0.0).to(tl.float32)
+                      * tl.load(k_ptr + at, mask=m, other=0.0).to(tl.float32))
+            hh += h * h
+            kk += key * key
+            hwk += h * weight * key
+        n = D.to(tl.float32)
+        rstd = (tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(hh, axis=1), n) + eps))
+                * tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(kk, axis=1), n) + eps)))  # [HC]
+        dot = tl.sum(hwk, axis=1) * rstd * scale
+        root = tl.sqrt_rn(tl.maximum(tl.abs(dot), clamp))
+        signed = tl.where(dot.to(tl.int32, bitcast=True) < 0, -root, root)
+        gate = _sigmoid(signed)
+        for start in range(0, D, BLOCK_D):
+            d = start + d0
+            at = j[:, None] * D + d[None, :]
+            m = d[None, :] < D
+            h = tl.load(x_ptr + row * HC * D + at, mask=m, other=0.0).to(tl.float32)
+            value = tl.load(kv_ptr + row * (HC + 1) * D + HC * D + d, mask=d < D, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * HC * D + at, _round_bf16(h + gate[:, None] * value[None, :], COMPILED), mask=m)
+
+
+WIDE_D = 2048  # past this dim a token's rows no longer fit one program's registers: the wide kernel's two passes
+
+
 def applies(x: torch.Tensor, module=None) -> bool:
     """CUDA and Triton; for an Engram `module`, bf16 x and a power-of-two table row of at least 32."""
     if module is not None:
@@ -145,7 +188,11 @@ def gate(x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: to
     hc, d = x.shape[-2:]
     out = torch.empty_like(x)
     n = x.numel() // (hc * d)
-    if n:
+    if n and d > WIDE_D:
+        _engram_gate_wide_kernel[(n,)](x.contiguous(), kv.contiguous(), q_weight.contiguous(), k_weight.contiguous(),
+                                       out, d, eps, d ** -0.5, clamp, HC=hc, BLOCK_D=512, COMPILED=x.is_cuda,
+                                       num_warps=4)
+    elif n:
         _engram_gate_kernel[(n,)](x.contiguous(), kv.contiguous(), q_weight.contiguous(), k_weight.contiguous(), out,
                                   d, eps, d ** -0.5, clamp, HC=hc, BLOCK_D=triton.next_power_of_2(d),
                                   COMPILED=x.is_cuda, num_warps=4 if d <= 1024 else 8)

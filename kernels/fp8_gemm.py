@@ -21,6 +21,14 @@ newer: Ada, Hopper, Blackwell) and integer arithmetic on the bits elsewhere (sm_
 values, and both run under the CPU interpreter (tests/test_fp4_kernels.py). The dot is a plain bf16 tl.dot,
 so nothing here is Hopper-only (no wgmma, no TMA descriptors): Triton lowers it per architecture.
 
+A prefill chunk (DEQUANT_ROWS rows or more) takes another path: `dequantize` writes the weight's bf16 values
+once (a transient copy of this one linear's weight, freed after the call), then F.linear multiplies as the
+torch path does, bit for bit. There the decode above is paid once per row block and keeps the tensor-core dot
+fed from registers: this kernel ran at ~420 TFLOP/s at 8,192 rows on an H200, the cuBLAS path at ~760
+(benchmarks/RESULTS.md). An FP8 MMA a 32-wide scale group at a time, both scales applied to the fp32
+accumulator, ran at ~180: the per-group rescale of the accumulator costs as much as the MMA on Hopper. On
+sm_100 the MX block-scaled MMA (Triton's tl.dot_scaled) takes these scales natively; not tried here.
+
 Decode shapes (a few rows) are bound by the weight bytes: with few output tiles the K loop is split over
 programs (`split`), the partial sums written in fp32 and added in split order by torch's sum (a fixed
 order for a fixed shape: deterministic; atomics would not be). The split and tiles depend on the shape only.
@@ -34,6 +42,12 @@ except ImportError:
     triton = None
 
 TILE = 32  # the weight's scale tile (model/quant.py WEIGHT_TILE)
+# From this many rows (a prefill chunk) the weight is decoded to a transient bf16 copy by `dequantize` (one pass
+# over the codes: 3 bytes a value of traffic), then cuBLAS's bf16 GEMM: the torch path's product, bit for bit,
+# at about twice this kernel's rate on an H200 (benchmarks/RESULTS.md), the copy's traffic small beside M·N·K.
+# Below it, the kernel (the weight's bytes are the cost at decode rows). A dense weight only; the routed
+# experts never have a bf16 copy (kernels/fp4_moe.py).
+DEQUANT_ROWS = 1024
 TARGET_PROGRAMS = 264  # enough programs to keep an H200's 132 SMs busy twice over (a constant: same split anywhere)
 
 
@@ -101,6 +115,17 @@ if triton is not None:
             acc = _round_bf16(acc, BF16)
         tl.store(out, acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
 
+    @triton.jit
+    def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, HW_FP8: tl.constexpr, BK: tl.constexpr):
+        """One tile row (32 weight rows) x BK columns of the FP8 codes -> their bf16 values (exact)."""
+        rn = tl.program_id(0) * 32 + tl.arange(0, 32)
+        kk = tl.program_id(1) * BK + tl.arange(0, BK)
+        m = (rn < N)[:, None] & (kk < K)[None, :]
+        codes = tl.load(w_ptr + rn.to(tl.int64)[:, None] * K + kk[None, :], mask=m, other=0)
+        s = tl.load(s_ptr + tl.program_id(0) * (K // 32) + kk // 32, mask=kk < K, other=127)
+        w = _e4m3_values(codes, HW_FP8) * _e8m0_values(s, 0)[None, :]
+        tl.store(out_ptr + rn.to(tl.int64)[:, None] * K + kk[None, :], w.to(tl.bfloat16), mask=m)
+
 
 def hw_fp8(device: torch.device) -> bool:
     """Whether the device converts e4m3 in hardware (sm_89+); True under the interpreter (numpy does it)."""
@@ -110,6 +135,18 @@ def hw_fp8(device: torch.device) -> bool:
 def applies(x: torch.Tensor) -> bool:
     """CUDA, Triton present, bf16 activations (the fp32 debugging mode keeps the torch path)."""
     return triton is not None and x.is_cuda and x.dtype == torch.bfloat16
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, hw: bool | None = None) -> torch.Tensor:
+    """float8_e4m3fn [N, K] with its 32x32 tiles' e8m0 scales -> bf16 [N, K], one launch (model/quant.py
+    dequantize_fp8_tiles' values, exact in bf16, without its fp32 copy)."""
+    N, K = weight.shape
+    out = torch.empty(N, K, dtype=torch.bfloat16, device=weight.device)
+    block = min(256, triton.next_power_of_2(K))
+    _dequant_kernel[(triton.cdiv(N, TILE), triton.cdiv(K, block))](
+        weight.view(torch.uint8), scale.view(torch.uint8), out, N, K,
+        HW_FP8=hw_fp8(weight.device) if hw is None else hw, BK=block)
+    return out
 
 
 def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
@@ -139,6 +176,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: 
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     M = rows.size(0)
+    if M >= DEQUANT_ROWS and split is None and cfg is None:  # a prefill chunk: the torch path's product, faster
+        return torch.nn.functional.linear(rows, dequantize(weight, scale, hw)).view(*x.shape[:-1], N)
     BM, BN, BK, warps, auto_split = config(M, N, K) if cfg is None else (*cfg, _split(M, N, K, *cfg[:3]))
     k_per_split = triton.cdiv(triton.cdiv(K, BK), split or auto_split) * BK
     split = triton.cdiv(K, k_per_split)

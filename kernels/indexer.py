@@ -10,7 +10,10 @@ Between its projections and its top-k, and the index list after it: where a deco
   einsum, relu, product, head sum, arange, comparison and fill of model/attention.py's `index_scores`.
   The dot products and the head sum may associate otherwise than cuBLAS and torch's reduction, so scores
   agree within a bf16 ulp, not bit for bit; each row's arithmetic is its own (fixed blocks, head order),
-  so the kernel is batch-invariant as it stands (model/invariant.py). Under 16 queries a row (decode), a
+  so the kernel is batch-invariant as it stands (model/invariant.py). A prefill chunk of CHUNK_ROWS queries
+  or more, outside that mode, takes 64 queries by 128 entries a program and bf16 dots (`scores_config`: 2.4
+  -> 0.9 ms at the slice's 8,192 x 4,096 x 64 heads on an H200; the same products, another MMA order, so
+  other bits in ~0.002% of the scores). Under 16 queries a row (decode), a
   program takes one query and puts its heads, 16 at a time, on the rows of the same dot, then adds them in
   head order: the same bits (tests/gpu), without the 15 empty query rows of a decode step's block.
 - `topk_entries`: model/attention.py's `topk_entries` under the "lower-index" tie rule, a program per query:
@@ -32,13 +35,14 @@ except ImportError:
     triton = None
 
 BLOCK_S, BLOCK_E = 16, 64
+CHUNK_ROWS = 4096  # from this many queries a row, a prefill chunk's form (`scores_config`; kernels/hc.py's bound)
 
 if triton is not None:
 
     @triton.jit
     def _index_scores_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, S, E, H,
                              sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, so_b, so_s,
-                             D: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr):
+                             D: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr, BF16: tl.constexpr):
         b = tl.program_id(2).to(tl.int64)
         s = tl.program_id(0) * BS + tl.arange(0, BS)
         e = tl.program_id(1) * BE + tl.arange(0, BE)
@@ -50,8 +54,12 @@ if triton is not None:
             q = tl.load(q_ptr + b * sq_b + s.to(tl.int64)[:, None] * sq_s + h * sq_h + d[None, :],
                         mask=(s < S)[:, None], other=0.0)  # [BS, D] bf16
             # bf16 values are exact in tf32: the same products as a bf16 MMA, fp32 accumulation (and a dot that
-            # Triton's interpreter runs: it has no bf16 matmul)
-            dot = tl.dot(q.to(tl.float32), keys.to(tl.float32), input_precision="tf32").to(tl.bfloat16).to(tl.float32)
+            # Triton's interpreter runs: it has no bf16 matmul); a prefill chunk's form (BF16) takes the bf16 MMA,
+            # at twice tf32's rate
+            if BF16:
+                dot = tl.dot(q, keys.to(tl.bfloat16)).to(tl.bfloat16).to(tl.float32)
+            else:
+                dot = tl.dot(q.to(tl.float32), keys.to(tl.float32), input_precision="tf32").to(tl.bfloat16).to(tl.float32)
             w = tl.load(w_ptr + b * sw_b + s.to(tl.int64) * sw_s + h, mask=s < S, other=0.0).to(tl.float32)
             acc += (tl.maximum(dot, 0.0) * w[:, None]).to(tl.bfloat16).to(tl.float32)
         visible = tl.load(vis_ptr + b * S + s, mask=s < S, other=0)
@@ -163,9 +171,22 @@ def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int, block: int
     return out
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def scores_config(S: int, device: torch.device, batch_invariant: bool = False) -> dict:
+    """How `_index_scores_kernel` is laid out for S queries a row: BLOCK_S queries by BLOCK_E entries a program,
+    tf32 dots (the form of tiny-68m, whose H200 trace's bits are this form's, of decode's row kernel and of the
+    batch-invariant mode, where a query's bits must not depend on how many share its launch), except for a prefill
+    chunk of at least CHUNK_ROWS queries on CUDA outside that mode: 64 queries by 128 entries a program, bf16 dots
+    (the same exact products, fp32 sums in the MMA's order; benchmarks/RESULTS.md)."""
+    if S >= CHUNK_ROWS and device.type == "cuda" and not batch_invariant:
+        return dict(BS=64, BE=128, BF16=True, num_warps=4)
+    return dict(BS=BLOCK_S, BE=BLOCK_E, BF16=False)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                 batch_invariant: bool = False, cfg: dict | None = None) -> torch.Tensor:
     """q bf16 [B,S,H,D] (D a power of two, >= 16), w bf16 [B,S,H], keys bf16 [B,E,D] (any strides with a unit
-    last one), visible int [B,S] -> scores bf16 [B,S,E] (model/attention.py `index_scores`)."""
+    last one), visible int [B,S] -> scores bf16 [B,S,E] (model/attention.py `index_scores`). `cfg` overrides
+    `scores_config` (benchmarks, tests)."""
     B, S, H, D = q.shape
     E = keys.size(1)
     out = torch.empty(B, S, E, dtype=q.dtype, device=q.device)
@@ -180,8 +201,10 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
             _index_scores_row_kernel[(S, triton.cdiv(E, BLOCK_E), B)](q, w, keys, vis, out, S, E, H, *strides, D=D,
                                                                       BH=BLOCK_S, BE=BLOCK_E)
         else:
-            _index_scores_kernel[(triton.cdiv(S, BLOCK_S), triton.cdiv(E, BLOCK_E), B)](
-                q, w, keys, vis, out, S, E, H, *strides, D=D, BS=BLOCK_S, BE=BLOCK_E)
+            cfg = dict(cfg or scores_config(S, q.device, batch_invariant))
+            BS, BE = cfg.pop("BS"), cfg.pop("BE")
+            _index_scores_kernel[(triton.cdiv(S, BS), triton.cdiv(E, BE), B)](
+                q, w, keys, vis, out, S, E, H, *strides, D=D, BS=BS, BE=BE, **cfg)
     return out
 
 

@@ -31,17 +31,18 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, freqs_ptr, n_rows, stride_row, heads, sign, HALF: tl.constexpr, ROWS: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of R values (pairs) of x
-        k = tl.arange(0, HALF)
+        # [ROWS] rows of R = 2·HALF values of x, each loaded and stored whole (one contiguous vector a row), the
+        # pairs (a, b) split off in registers; freqs' (cos, sin) pairs likewise
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        r = tl.arange(0, 2 * HALF)
         live = (rows < n_rows)[:, None]
-        x_at = x_ptr + rows.to(tl.int64)[:, None] * stride_row + 2 * k[None, :]  # [ROWS, HALF]: even elements
-        f_at = freqs_ptr + (rows // heads).to(tl.int64)[:, None] * (2 * HALF) + 2 * k[None, :]  # (cos, sin) pairs
-        a = tl.load(x_at, mask=live).to(tl.float32)
-        b = tl.load(x_at + 1, mask=live).to(tl.float32)
-        c = tl.load(f_at, mask=live)
-        d = tl.load(f_at + 1, mask=live) * sign  # the inverse rotation conjugates
-        tl.store(x_at, (a * c - b * d).to(x_ptr.dtype.element_ty), mask=live)
-        tl.store(x_at + 1, (a * d + b * c).to(x_ptr.dtype.element_ty), mask=live)
+        x_at = x_ptr + rows.to(tl.int64)[:, None] * stride_row + r[None, :]  # [ROWS, R]
+        f_at = freqs_ptr + (rows // heads).to(tl.int64)[:, None] * (2 * HALF) + r[None, :]
+        a, b = tl.split(tl.reshape(tl.load(x_at, mask=live).to(tl.float32), (ROWS, HALF, 2)))
+        c, d = tl.split(tl.reshape(tl.load(f_at, mask=live), (ROWS, HALF, 2)))
+        d = d * sign  # the inverse rotation conjugates
+        y = tl.reshape(tl.join(a * c - b * d, a * d + b * c), (ROWS, 2 * HALF))
+        tl.store(x_at, y.to(x_ptr.dtype.element_ty), mask=live)
 
 
 def _row_stride(x: torch.Tensor) -> int | None:
@@ -73,7 +74,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> t
     f = torch.view_as_real(freqs)  # [..., R/2, 2] fp32: (cos, sin)
     rows = x.numel() // R
     heads = rows // (f.numel() // R)  # x rows per freqs row
-    block = 32
+    block = max(1, min(64, 4096 // R))  # 64 rows of the slice's 64 rope dims: 16 KB of fp32 a program
     _rope_kernel[(triton.cdiv(rows, block),)](x, f, rows, _row_stride(x), heads, -1.0 if inverse else 1.0,
                                               HALF=R // 2, ROWS=block)
     return x

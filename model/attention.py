@@ -155,7 +155,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
     q [B,S,Hi,Di], w [B,S,Hi], keys [B,E,Di] -> [B,S,E] bf16; visible: [B,S] entry counts V(p).
     """
     if USE_KERNELS and indexer_kernel.applies_scores(q, keys):  # CUDA: the lines below in one launch
-        return indexer_kernel.index_scores(q, w, keys, visible)
+        return indexer_kernel.index_scores(q, w, keys, visible, batch_invariant=invariant.enabled())
     d = invariant.index_scores_dot(q, keys)  # einsum bshd,btd->bsht
     score = invariant.reduce_sum(d.relu_().mul_(w.unsqueeze(-1)), 2)  # .sum(dim=2) outside the mode; in place:
     entries = torch.arange(keys.size(1), device=keys.device)  # the same bits, 2-4x faster on a long CPU prefill

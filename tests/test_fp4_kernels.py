@@ -47,6 +47,30 @@ def test_fp8_gemm_matches_the_dequantise_then_bf16_path(M, N, K, hw):
         torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("hw", [True, False])
+def test_a_prefill_chunks_fp8_gemm_is_the_torch_paths_product(hw, monkeypatch):
+    """From DEQUANT_ROWS rows fp8_gemm decodes the weight once (`dequantize`: model/quant.py's values, bit for
+    bit, partial tiles of rows and columns included) and multiplies as the torch path does: its bits. Below,
+    the kernel; `cfg` still forces it at any row count (benchmarks, the GPU tests)."""
+    g = torch.Generator().manual_seed(7)
+    N, K = 80, 96  # 2.5 tile rows, 3 tiles of K: the dequantisation's masked edges
+    spread = torch.logspace(-3, 0, N)[:, None] * torch.logspace(0, 2, K)[None, :]  # every tile its own scale
+    codes, scale = quantize_fp8_tiles(torch.randn(N, K, generator=g) * spread)
+    assert scale.float().unique().numel() > 4
+    assert torch.equal(fp8_gemm.dequantize(codes, scale, hw), dequantize_fp8_tiles(codes, scale).bfloat16())
+    monkeypatch.setattr(fp8_gemm, "DEQUANT_ROWS", 12)
+    seen = []
+    real = fp8_gemm.dequantize
+    monkeypatch.setattr(fp8_gemm, "dequantize", lambda *a: seen.append(a) or real(*a))
+    xq = act_quant_fp8(torch.randn(2, 6, K, generator=g).bfloat16(), 32)  # 12 rows: the chunk's path
+    assert torch.equal(fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw), fp8_gemm.fp8_gemm_reference(xq, codes, scale))
+    assert len(seen) == 1
+    fp8_gemm.fp8_gemm(xq[:1], codes, scale, hw=hw)  # 6 rows: the kernel
+    fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw, cfg=(16, 32, 32, 4))
+    assert len(seen) == 1
+
+
 def fp4_experts(E: int, D: int, inter: int, seed: int):
     """Random experts in the released storage, stacked as kernels/fp4_moe.py fp4_stacked gives them."""
     g = torch.Generator().manual_seed(seed)

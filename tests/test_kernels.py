@@ -564,6 +564,61 @@ def test_engram_lookup_and_gate_kernels_match_the_torch_path():
     assert not torch.equal(got, x)
 
 
+def test_index_scores_take_the_chunk_form_only_for_a_prefill_chunk_outside_the_invariant_mode(monkeypatch):
+    """kernels/indexer.py `scores_config`: the bf16-dot form from CHUNK_ROWS queries on CUDA, never in the
+    batch-invariant mode nor on CPU; and model/attention.py passes the mode to the kernel."""
+    from kernels import indexer as indexer_kernel
+    from model import attention, invariant
+
+    cuda, n = torch.device("cuda"), indexer_kernel.CHUNK_ROWS
+    assert indexer_kernel.scores_config(n, cuda)["BF16"]
+    assert indexer_kernel.scores_config(4 * n, cuda)["BS"] == 64
+    base = dict(BS=indexer_kernel.BLOCK_S, BE=indexer_kernel.BLOCK_E, BF16=False)
+    assert indexer_kernel.scores_config(n - 1, cuda) == base
+    assert indexer_kernel.scores_config(n, cuda, batch_invariant=True) == base
+    assert indexer_kernel.scores_config(n, torch.device("cpu")) == base
+    seen = []
+    monkeypatch.setattr(indexer_kernel, "applies_scores", lambda q, keys: True)
+    monkeypatch.setattr(indexer_kernel, "index_scores", lambda *a, **k: seen.append(k["batch_invariant"]))
+    q, keys = torch.zeros(1, 2, 4, 16), torch.zeros(1, 3, 16)
+    attention.index_scores(q, torch.zeros(1, 2, 4), keys, torch.ones(1, 2, dtype=torch.long))
+    with invariant.mode():
+        attention.index_scores(q, torch.zeros(1, 2, 4), keys, torch.ones(1, 2, dtype=torch.long))
+    assert seen == [False, True]
+
+
+@needs_interpreter
+def test_engram_gate_kernel_past_the_wide_dim_matches_the_torch_path(monkeypatch):
+    """kernels/engram.py's two-pass gate (a dim past WIDE_D, the released 5,120's form; 2,304 here, not a multiple
+    of its 512-wide blocks) against model/engram.py's fp32 ops and against the one-pass kernel on the same rows:
+    within a bf16 ulp (the sums over dim associate otherwise, then one rounding)."""
+    from types import SimpleNamespace
+
+    from kernels import engram as engram_kernel
+    from model.engram import GATE_CLAMP, Engram
+
+    hc, d, n = 4, 2304, 3
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, hc, d, generator=g).bfloat16()
+    kv = torch.randn(n, (hc + 1) * d, generator=g).bfloat16()
+    qw, kw = (torch.rand(hc, d, generator=g) + 0.5).bfloat16(), (torch.rand(hc, d, generator=g) + 0.5).bfloat16()
+    x[1, 2] = -x[1, 2]  # copies whose dot has the other sign
+    key, value = kv.float().split([hc * d, d], dim=-1)
+    module = SimpleNamespace(q_weight=qw, k_weight=kw, eps=1e-6, dim=d)
+    gate = Engram.gate(module, x.float(), key.unflatten(-1, (hc, d)))
+    assert (gate > 0.6).any() and (gate < 0.4).any()  # both signs of the dot
+    want = (x.float() + gate.unsqueeze(-1) * value.unsqueeze(-2)).bfloat16()
+    with torch.inference_mode():
+        wide = engram_kernel.gate(x, kv, qw, kw, 1e-6, GATE_CLAMP)
+        monkeypatch.setattr(engram_kernel, "WIDE_D", d)  # the one-pass kernel at the same width
+        one_pass = engram_kernel.gate(x, kv, qw, kw, 1e-6, GATE_CLAMP)
+    # a bf16 ulp (2^-8 to 2^-7 of the value); and where h and gate·value cancel, the gate's own fp32 error (its
+    # sums over dim associate otherwise: ~1e-6 of it at this width) times |value| < 6 decides: atol 1e-5
+    for got in (wide, one_pass):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-5)
+    torch.testing.assert_close(wide.float(), one_pass.float(), rtol=2 ** -7, atol=1e-5)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("E, k, block", [(300, 64, 4096), (300, 64, 128), (50, 50, 64), (37, 5, 16)])

@@ -36,9 +36,11 @@ def test_compiled_fp8_gemm_matches_the_torch_path(M, N, K):
     want = fp8_gemm.fp8_gemm_reference(xq, codes, scale)  # dequantise to bf16, cuBLAS
     w = dequantize_fp8_tiles(codes, scale)
     for hw in (True, False):  # the hardware e4m3 conversion, and the integer decode of sm_80
-        got = fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw)
+        got = fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw, cfg=fp8_gemm.config(M, N, K)[:4])  # the kernel at any M
         assert within_fp32_sum_and_bf16_rounding(got, xq, w)
         torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)
+        if M >= fp8_gemm.DEQUANT_ROWS:  # a prefill chunk's path: the weight decoded once, the torch path's product
+            assert torch.equal(fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw), want)
     report(f"fp8_gemm M={M} N={N} K={K}", got, want)
 
 

@@ -351,6 +351,34 @@ def test_compiled_rope_matches_the_torch_path(heads):
         assert torch.equal(got[..., :-32], x[..., :-32])
 
 
+@pytest.mark.parametrize("n", [1, 64, 4096])
+def test_compiled_wide_engram_gate_matches_the_torch_path(n, monkeypatch):
+    """kernels/engram.py's two-pass gate at the released width (hc 4, dim 5,120) against model/engram.py's fp32
+    ops and against the one-pass kernel on the same rows: within a bf16 ulp."""
+    from types import SimpleNamespace
+
+    from kernels import engram as engram_kernel
+    from model.engram import GATE_CLAMP, Engram
+
+    hc, d = 4, 5120
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, hc, d, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(n, (hc + 1) * d, device="cuda", generator=g).bfloat16()
+    qw = (torch.rand(hc, d, device="cuda", generator=g) + 0.5).bfloat16()
+    kw = (torch.rand(hc, d, device="cuda", generator=g) + 0.5).bfloat16()
+    key, value = kv.float().split([hc * d, d], dim=-1)
+    gate = Engram.gate(SimpleNamespace(q_weight=qw, k_weight=kw, eps=1e-6, dim=d), x.float(), key.unflatten(-1, (hc, d)))
+    want = (x.float() + gate.unsqueeze(-1) * value.unsqueeze(-2)).bfloat16()
+    wide = engram_kernel.gate(x, kv, qw, kw, 1e-6, GATE_CLAMP)
+    monkeypatch.setattr(engram_kernel, "WIDE_D", d)
+    one_pass = engram_kernel.gate(x, kv, qw, kw, 1e-6, GATE_CLAMP)
+    # a bf16 ulp (2^-8 to 2^-7 of the value); and where h and gate·value cancel, the gate's own fp32 error (its
+    # sums over dim associate otherwise: ~1e-6 of it at this width) times |value| < 6 decides: atol 1e-5
+    for got in (wide, one_pass):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-5)
+    torch.testing.assert_close(wide.float(), one_pass.float(), rtol=2 ** -7, atol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 64, 300])
 def test_grouped_moe_matches_the_masked_path_on_cuda(rows):
     m = Transformer(preset("tiny-68m"))
@@ -557,6 +585,33 @@ def test_indexer_kernels_compiled_match_the_torch_paths():
         want = attention.attention_list(window, window_len, torch.where(topk >= 0, topk + W + S, -1),
                                         (end // 2).clamp(max=K))
         assert torch.equal(kernel_list(window, topk, end, W + S, 2, K, full), want)
+
+
+def test_index_scores_prefill_chunk_form_matches_the_torch_path_and_the_invariant_mode_keeps_its_form():
+    """From CHUNK_ROWS queries (a prefill chunk, the slice's 64 heads of 128) the scores come from the bf16-dot
+    form: within a bf16 ulp of the torch lines, with the same -inf mask. In the batch-invariant mode the same
+    chunk keeps the tf32 form, whose rows have the bits of any other launch's (a 16-query slice here)."""
+    from kernels import indexer
+    from model import attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, S, H, D, E = 1, indexer.CHUNK_ROWS, 64, 128, 600
+    assert indexer.scores_config(S, torch.device("cuda"))["BF16"]
+    q = torch.randn(B, S, H, D, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(B, S, H, generator=g, device="cuda") * 0.1).bfloat16()
+    keys = torch.randn(B, E, D, generator=g, device="cuda").bfloat16()
+    visible = torch.randint(0, E + 1, (B, S), generator=g, device="cuda")
+    attention.USE_KERNELS = False
+    try:
+        want = attention.index_scores(q, w, keys, visible)
+    finally:
+        attention.USE_KERNELS = True
+    got = indexer.index_scores(q, w, keys, visible)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=2 ** -7, atol=2 ** -6)
+    invariant = indexer.index_scores(q, w, keys, visible, batch_invariant=True)
+    assert torch.equal(invariant[:, 32:48], indexer.index_scores(q[:, 32:48], w[:, 32:48], keys, visible[:, 32:48]))
 
 
 def test_moe_combine_kernel_compiled_rounds_to_bf16_as_torch_does():
