@@ -770,3 +770,56 @@ def test_rope_wo_a_serves_narrow_groups_only():
         o = torch.zeros(2, H, D, dtype=torch.bfloat16)
         wo_a = torch.zeros(G, args.o_lora_rank, H * D // G, dtype=torch.bfloat16)
         assert output_kernel.applies(o, wo_a, args.rope_head_dim) is want, (G, H, D)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M", [1, 20])
+def test_head_kernel_matches_the_fp32_product_within_its_sum_error(M):
+    """kernels/head.py: the fp32 weight split into three bf16 parts (exactly), three dots: within the error of an
+    fp32 sum of K terms of the exact (fp64) product, and within fp32 rounding of F.linear; masked edges (V and K
+    not multiples of the tiles)."""
+    from kernels import head as head_kernel
+
+    g = torch.Generator().manual_seed(M)
+    V, K = 150, 96
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = torch.randn(V, K, generator=g) * 0.02
+    got = head_kernel.head(x, w, cfg=dict(BV=64, BM=16, BK=64, num_warps=4))
+    exact = x.double() @ w.double().T
+    bound = K * 2 ** -24 * (x.double().abs() @ w.double().abs().T)
+    assert got.dtype == torch.float32 and got.shape == (M, V)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), w), rtol=1e-6, atol=1e-6)
+
+
+def test_the_head_kernel_serves_wide_heads_outside_the_invariant_mode_only(monkeypatch):
+    """kernels/head.py `applies`, and model/transformer.py's logits taking it where it applies and F.linear's
+    fp32 product elsewhere."""
+    from kernels import head as head_kernel
+    from model import invariant
+
+    class Cuda(torch.Tensor):  # a CPU tensor that says it is on CUDA, for the rule alone
+        is_cuda = True
+
+    x = torch.zeros(16, head_kernel.WIDE_HEAD, dtype=torch.bfloat16).as_subclass(Cuda)
+    w = torch.zeros(8, head_kernel.WIDE_HEAD)
+    assert head_kernel.applies(x, w, False) is (head_kernel.triton is not None)
+    assert not head_kernel.applies(x, w, True)
+    assert not head_kernel.applies(x[:15], w, False)  # under MIN_ROWS
+    assert not head_kernel.applies(x[:, :-1], w[:, :-1], False)  # under WIDE_HEAD
+    assert not head_kernel.applies(x.float(), w, False)
+    assert not head_kernel.applies(x.as_subclass(torch.Tensor), w, False)  # CPU
+    m = Transformer(preset("micro"))
+    m.head.weight.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
+    seen = []
+    monkeypatch.setattr("model.transformer.use_kernels", lambda x: True)
+    monkeypatch.setattr(head_kernel, "applies", lambda x, w, inv: seen.append(inv) or not inv)
+    monkeypatch.setattr(head_kernel, "head", lambda x, w: torch.full((*x.shape[:-1], w.size(0)), 7.0))
+    h = torch.randn(2, m.args.hc_mult, m.args.dim).bfloat16()
+    pre = torch.full((2, m.args.hc_mult), 1.0 / m.args.hc_mult)
+    with torch.inference_mode():
+        assert (m.logits(h, pre) == 7.0).all()
+        with invariant.mode():
+            want = invariant.linear(m.norm(hc.hc_pre(h, pre)).float(), m.head.weight)
+            assert torch.equal(m.logits(h, pre), want)
+    assert seen == [False, True]

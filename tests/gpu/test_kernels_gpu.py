@@ -548,6 +548,46 @@ def test_compiled_gate_of_a_prefill_chunk_on_the_tensor_cores():
           f"from fp64 at most; {(got_ids != fma[1]).any(-1).sum().item()} rows pick otherwise than the FMA chains")
 
 
+@pytest.mark.parametrize("M", [16, 64, 100])
+def test_compiled_head_kernel_is_within_the_sum_error_of_the_fp32_product(M):
+    """kernels/head.py compiled at the released width (d 5,120; 20,007 vocab rows: a partial tile): within the
+    error bound of an fp32 sum of K terms of the exact product, and within 1e-5 of cuBLAS's fp32 F.linear."""
+    from kernels import head as head_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    V, K = 20007, 5120
+    x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+    w = torch.randn(V, K, generator=g, device="cuda") * 0.02
+    got = head_kernel.head(x, w)
+    exact = x.double() @ w.double().T
+    want = torch.nn.functional.linear(x.float(), w)
+    print(f"head M={M}: max |kernel - exact| {(got.double() - exact).abs().max().item():.3g}, "
+          f"max |cuBLAS - exact| {(want.double() - exact).abs().max().item():.3g}")
+    bound = K * 2 ** -24 * (x.double().abs() @ w.double().abs().T)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    # ~10 fp32 ulps at these logits' size: the products summed into one running accumulator by the tensor
+    # cores came out ~1.2e-4 off (their truncation), each K block's sum promoted to fp32 adds ~1e-6
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def torch_index_scores(q, w, keys, visible):
+    """model/attention.py's torch lines for the index scores (its kernels off)."""
+    from model import attention
+
+    attention.USE_KERNELS = False
+    try:
+        return attention.index_scores(q, w, keys, visible)
+    finally:
+        attention.USE_KERNELS = True
+
+
+def assert_scores_close(got, want):
+    """The same -inf mask, the finite scores within a bf16 ulp (the dots and the head sum associate otherwise)."""
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=2 ** -7, atol=2 ** -6)
+
+
 def test_indexer_kernels_compiled_match_the_torch_paths():
     """kernels/indexer.py compiled: the index list exactly; the scores within a bf16 ulp of the torch lines
     (the dot products and the head sum associate otherwise), with the same -inf mask."""
@@ -560,15 +600,8 @@ def test_indexer_kernels_compiled_match_the_torch_paths():
     w = torch.randn(B, S, H, generator=g, device="cuda").bfloat16()
     keys = torch.randn(B, E + 7, D, generator=g, device="cuda").bfloat16()[:, :E]
     visible = torch.randint(0, E + 1, (B, S), generator=g, device="cuda")
-    attention.USE_KERNELS = False
-    try:
-        want = attention.index_scores(q, w, keys, visible)
-    finally:
-        attention.USE_KERNELS = True
     got = kernel_scores(q, w, keys, visible)
-    assert torch.equal(torch.isinf(got), torch.isinf(want))
-    finite = ~torch.isinf(want)
-    torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=2 ** -7, atol=2 ** -6)
+    assert_scores_close(got, torch_index_scores(q, w, keys, visible))
     for s in range(0, S, 4):  # a decode step's query (a program per query) gives the bits of a chunk's (a block)
         assert torch.equal(kernel_scores(q[:, s:s + 1], w[:, s:s + 1], keys, visible[:, s:s + 1]), got[:, s:s + 1]), s
     H = 64  # the released indexer's heads: four blocks of the dot's rows, at a decode shape
@@ -592,7 +625,6 @@ def test_index_scores_prefill_chunk_form_matches_the_torch_path_and_the_invarian
     form: within a bf16 ulp of the torch lines, with the same -inf mask. In the batch-invariant mode the same
     chunk keeps the tf32 form, whose rows have the bits of any other launch's (a 16-query slice here)."""
     from kernels import indexer
-    from model import attention
 
     g = torch.Generator(device="cuda").manual_seed(3)
     B, S, H, D, E = 1, indexer.CHUNK_ROWS, 64, 128, 600
@@ -601,15 +633,8 @@ def test_index_scores_prefill_chunk_form_matches_the_torch_path_and_the_invarian
     w = (torch.randn(B, S, H, generator=g, device="cuda") * 0.1).bfloat16()
     keys = torch.randn(B, E, D, generator=g, device="cuda").bfloat16()
     visible = torch.randint(0, E + 1, (B, S), generator=g, device="cuda")
-    attention.USE_KERNELS = False
-    try:
-        want = attention.index_scores(q, w, keys, visible)
-    finally:
-        attention.USE_KERNELS = True
     got = indexer.index_scores(q, w, keys, visible)
-    assert torch.equal(torch.isinf(got), torch.isinf(want))
-    finite = ~torch.isinf(want)
-    torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=2 ** -7, atol=2 ** -6)
+    assert_scores_close(got, torch_index_scores(q, w, keys, visible))
     invariant = indexer.index_scores(q, w, keys, visible, batch_invariant=True)
     assert torch.equal(invariant[:, 32:48], indexer.index_scores(q[:, 32:48], w[:, 32:48], keys, visible[:, 32:48]))
 
