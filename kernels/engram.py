@@ -94,7 +94,6 @@ if triton is not None:
         out = h + gate[:, None] * value[None, :]
         tl.store(out_ptr + row * HC * D + at, _round_bf16(out, COMPILED), mask=m)
 
-
     @triton.jit
     def _engram_gate_wide_kernel(x_ptr, kv_ptr, q_ptr, k_ptr, out_ptr, D, eps, scale, clamp, HC: tl.constexpr,
                                  BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):

@@ -23,9 +23,9 @@ so nothing here is Hopper-only (no wgmma, no TMA descriptors): Triton lowers it 
 
 A prefill chunk (DEQUANT_ROWS rows or more) takes another path: `dequantize` writes the weight's bf16 values
 once (a transient copy of this one linear's weight, freed after the call), then F.linear multiplies as the
-torch path does, bit for bit. There the decode above is paid once per row block and keeps the tensor-core dot
-fed from registers: this kernel ran at ~420 TFLOP/s at 8,192 rows on an H200, the cuBLAS path at ~760
-(benchmarks/RESULTS.md). An FP8 MMA a 32-wide scale group at a time, both scales applied to the fp32
+torch path does, bit for bit. At such rows this kernel decodes every weight tile again for each block of
+rows, between the loads and the dot: it ran at ~420 TFLOP/s at 8,192 rows on an H200, the cuBLAS path at
+~760 (benchmarks/RESULTS.md). An FP8 MMA a 32-wide scale group at a time, both scales applied to the fp32
 accumulator, ran at ~180: the per-group rescale of the accumulator costs as much as the MMA on Hopper. On
 sm_100 the MX block-scaled MMA (Triton's tl.dot_scaled) takes these scales natively; not tried here.
 

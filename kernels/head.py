@@ -1,9 +1,9 @@
 """The fp32 head of a wide model on the tensor cores (spec §6: `head.weight` [vocab, d] fp32, fp32 logits).
 
 logits = x · Wᵀ for x the final norm's bf16 output (its values exact in fp32) and W fp32. The torch path
-(model/transformer.py `logits`: F.linear in fp32) is a SIMT GEMM: at the released width (vocab 129,280,
-d 5,120) and a decode batch of 64 it is bound by the CUDA cores' fp32 FMAs (85 GFLOP a step; 1.72 ms on an
-H200, where reading the 2.65 GB weight takes 0.55 ms). Here each fp32 weight value is split in registers into
+(model/transformer.py `logits` through model/invariant.py `head`: F.linear in fp32) is a SIMT GEMM: at the
+released width (vocab 129,280, d 5,120) and a decode batch of 64 it is bound by the CUDA cores' fp32 FMAs
+(85 GFLOP a step; 1.72 ms on an H200, where reading the 2.65 GB weight takes 0.55 ms). Here each fp32 weight value is split in registers into
 three bf16 parts, W = hi + mid + lo, exactly (hi the value rounded to bf16, mid the remainder rounded, lo the
 rest: 8 + 8 + 8 significant bits cover fp32's 24), and x · Wᵀ = x · hiᵀ + x · midᵀ + x · loᵀ is three bf16
 tensor-core dots, each product exact in fp32, summed in the fp32 accumulator (kernels/hc.py's handoff splits

@@ -193,6 +193,18 @@ def index_scores_dot(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return d.view(B, S, H, keys.size(1))
 
 
+def head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The fp32 head's product (spec §6) of x, the final norm's output: linear(x.float(), w), except on CUDA
+    outside the mode at a wide head, where kernels/head.py splits the fp32 weight over bf16 tensor-core dots
+    (within fp32 rounding of it, not its bits: tiny-68m's head and the mode keep F.linear's)."""
+    from kernels import head as head_kernel
+    from model.attention import use_kernels
+
+    if use_kernels(x) and head_kernel.applies(x, w, enabled()):
+        return head_kernel.head(x, w)
+    return linear(x.float(), w)
+
+
 def bmm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [n, M, K] @ b [n, N, K]ᵀ -> [n, M, N] (the grouped MoE's w2, model/moe.py): torch.bmm outside the
     mode and in its torch path (whose callers pass a fixed M), kernels/gemm.py on CUDA in the mode."""

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import head as head_kernel
 from model import invariant  # batch-invariant mode hooks (issue #11)
-from model.attention import Attention, RMSNorm, use_kernels
+from model.attention import Attention, RMSNorm
 from model.config import ConfigError, ModelArgs
 from model.engram import Engram, EngramLayout, compressed_token_map
 from model.hc import handoff, hc_post, hc_pre
@@ -138,7 +137,4 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         """Final collapse with the last f_pre, norm, and the fp32 head. [..., hc, d] -> [..., vocab] fp32."""
-        x = self.norm(hc_pre(h, pre_mix))
-        if use_kernels(x) and head_kernel.applies(x, self.head.weight, invariant.enabled()):
-            return head_kernel.head(x, self.head.weight)  # a wide head on CUDA: fp32 W split over bf16 dots
-        return invariant.linear(x.float(), self.head.weight)  # F.linear outside the mode
+        return invariant.head(self.norm(hc_pre(h, pre_mix)), self.head.weight)  # F.linear(x.float(), W) in fp32

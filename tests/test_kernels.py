@@ -793,8 +793,8 @@ def test_head_kernel_matches_the_fp32_product_within_its_sum_error(M):
 
 
 def test_the_head_kernel_serves_wide_heads_outside_the_invariant_mode_only(monkeypatch):
-    """kernels/head.py `applies`, and model/transformer.py's logits taking it where it applies and F.linear's
-    fp32 product elsewhere."""
+    """kernels/head.py `applies`, and model/transformer.py's logits (through model/invariant.py `head`) taking it
+    where it applies and F.linear's fp32 product elsewhere."""
     from kernels import head as head_kernel
     from model import invariant
 
@@ -812,7 +812,7 @@ def test_the_head_kernel_serves_wide_heads_outside_the_invariant_mode_only(monke
     m = Transformer(preset("micro"))
     m.head.weight.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
     seen = []
-    monkeypatch.setattr("model.transformer.use_kernels", lambda x: True)
+    monkeypatch.setattr("model.attention.use_kernels", lambda x: True)
     monkeypatch.setattr(head_kernel, "applies", lambda x, w, inv: seen.append(inv) or not inv)
     monkeypatch.setattr(head_kernel, "head", lambda x, w: torch.full((*x.shape[:-1], w.size(0)), 7.0))
     h = torch.randn(2, m.args.hc_mult, m.args.dim).bfloat16()
