@@ -636,6 +636,8 @@ def test_index_scores_prefill_chunk_form_matches_the_torch_path_and_the_invarian
     got = indexer.index_scores(q, w, keys, visible)
     assert_scores_close(got, torch_index_scores(q, w, keys, visible))
     invariant = indexer.index_scores(q, w, keys, visible, batch_invariant=True)
+    tf32 = dict(BS=indexer.BLOCK_S, BE=indexer.BLOCK_E, BF16=False)  # the form below CHUNK_ROWS, forced
+    assert torch.equal(invariant, indexer.index_scores(q, w, keys, visible, cfg=tf32))
     assert torch.equal(invariant[:, 32:48], indexer.index_scores(q[:, 32:48], w[:, 32:48], keys, visible[:, 32:48]))
 
 
