@@ -17,11 +17,14 @@ Between its projections and its top-k, and the index list after it: where a deco
   program takes one query and puts its heads, 16 at a time, on the rows of the same dot, then adds them in
   head order: the same bits (tests/gpu), without the 15 empty query rows of a decode step's block.
 - `topk_entries`: model/attention.py's `topk_entries` under the "lower-index" tie rule, a program per query:
-  each score's int32 order key (the fp32 bits with negatives' magnitude flipped, -0.0 made +0.0, as `_top`),
-  the k-th largest key by bisection (32 counting passes over the row), then the entries above it and the
-  lowest-index ones equal to it, written in ascending index order by a running count, -1 from V(p) on:
-  the same list as the keyed top-k, sort and mask of the torch path (a set is a set), in one launch
-  instead of about a dozen. Used while a step has few queries (`applies_topk`); the choice moves no bits.
+  each score's int32 order key (the fp32 bits with negatives' magnitude flipped, -0.0 made +0.0, as `_top`;
+  of bf16 scores only the top 16 bits, which carry all of the order), the k-th largest key by bisection over
+  the keys' range (16 counting passes for bf16, 32 for fp32) on the row held in registers (up to
+  RESIDENT_ENTRIES; a longer row is read again each pass), then the entries above it and the lowest-index ones
+  equal to it, written in ascending index order by a running count, -1 from V(p) on: the same list as the keyed
+  top-k, sort and mask of the torch path (a set is a set), in one launch instead of about a dozen, 2-10x faster
+  than the torch path at the prefill shapes measured and 3-5x faster than the bisection over memory before it at
+  decode's (benchmarks/RESULTS.md), so every CUDA step takes it (`applies_topk`); the choice moves no bits.
 - `attention_list`: model/attention.py's `attention_list` (with the shift of the top-k entries to their
   places after the window and this chunk, and the lengths from each row's end) in one launch of integer
   work: the same list, exactly.
@@ -68,9 +71,34 @@ if triton is not None:
                  mask=(s < S)[:, None] & (e < E)[None, :])
 
     @triton.jit
+    def _add_rows_in_order(acc, term, BE: tl.constexpr):
+        """acc [BE] + each of term's 16 rows [16, BE] in turn, in row order: the sums of adding them one at a
+        time. The rows are taken apart by splits (each entry's 16 values in one thread), not by 16 masked
+        reductions across the threads that hold them (2.6x the instructions of the dot)."""
+        t = tl.reshape(tl.trans(term), (BE, 2, 2, 2, 2))  # [e, a, b, c, d]: row 8a + 4b + 2c + d
+        d0, d1 = tl.split(t)
+        c00, c10 = tl.split(d0)  # c00: c = 0, d = 0; c10: c = 1, d = 0 ([e, a, b])
+        c01, c11 = tl.split(d1)
+        b000, b100 = tl.split(c00)  # b000: b = 0, c = 0, d = 0 ([e, a]) ...
+        b010, b110 = tl.split(c10)
+        b001, b101 = tl.split(c01)
+        b011, b111 = tl.split(c11)
+        r0, r8 = tl.split(b000)  # row 8a + 4b + 2c + d for a = 0, 1
+        r4, r12 = tl.split(b100)
+        r2, r10 = tl.split(b010)
+        r6, r14 = tl.split(b110)
+        r1, r9 = tl.split(b001)
+        r5, r13 = tl.split(b101)
+        r3, r11 = tl.split(b011)
+        r7, r15 = tl.split(b111)
+        acc = acc + r0 + r1 + r2 + r3 + r4 + r5 + r6 + r7  # left to right: one row at a time
+        return acc + r8 + r9 + r10 + r11 + r12 + r13 + r14 + r15
+
+    @triton.jit
     def _index_scores_row_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, S, E, H,
                                  sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, so_b, so_s,
                                  D: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr):
+        tl.static_assert(BH == 16, "_add_rows_in_order takes 16 heads at a time")
         # one query against a block of entries, its heads BH at a time on the rows of the same [BH, D] x [D, BE]
         # dot as _index_scores_kernel's (an MMA row's sums are its own), each head then added in head order
         b, s = tl.program_id(2).to(tl.int64), tl.program_id(0).to(tl.int64)
@@ -85,8 +113,7 @@ if triton is not None:
             dot = tl.dot(q.to(tl.float32), keys.to(tl.float32), input_precision="tf32").to(tl.bfloat16).to(tl.float32)
             w = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=h < H, other=0.0).to(tl.float32)
             term = (tl.maximum(dot, 0.0) * w[:, None]).to(tl.bfloat16).to(tl.float32)  # [BH, BE]
-            for i in tl.static_range(BH):  # one head's row (a sum of it and zeros is exact), in head order
-                acc += tl.sum(tl.where(hb[:, None] == i, term, 0.0), axis=0)
+            acc = _add_rows_in_order(acc, term, BE)
         visible = tl.load(vis_ptr + b * S + s)
         score = tl.where(e < visible, acc, -float("inf")).to(tl.bfloat16)
         tl.store(out_ptr + b * so_b + s * so_s + e, score, mask=e < E)
@@ -107,67 +134,100 @@ if triton is not None:
         tl.store(out_ptr + row * (W + K) + j, listed, mask=j < W + K)
 
     @triton.jit
-    def _order_keys(scores_ptr, e, live):
-        """int32 keys in the order of the fp32 values (of bf16 or fp32 scores); -inf where not live."""
+    def _order_keys(scores_ptr, e, live, BITS: tl.constexpr):
+        """int32 keys in the order of the fp32 values (of bf16 or fp32 scores); the key of -inf where not live.
+        BITS 16 (bf16 scores): the top 16 bits alone, as the low 16 are all 0 or all 1 (the same order, one key a
+        value), so the search below takes 16 passes instead of 32."""
         x = tl.load(scores_ptr + e, mask=live, other=float("-inf")).to(tl.float32) + 0.0  # -0.0 -> +0.0
         bits = x.to(tl.int32, bitcast=True)
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        if BITS == 16:
+            key = key >> 16
+        return key
 
     @triton.jit
-    def _topk_entries_kernel(scores_ptr, vis_ptr, out_ptr, E, k, S, so_b, so_s, BLOCK: tl.constexpr):
+    def _count_at_least(row, E, t, BLOCK: tl.constexpr, BITS: tl.constexpr):
+        """How many entries of a row too long to hold have a key >= t: one pass over it, BLOCK at a time."""
+        count = tl.zeros([], tl.int32)
+        for e0 in range(0, E, BLOCK):
+            e = e0 + tl.arange(0, BLOCK)
+            count += tl.sum(((e < E) & (_order_keys(row, e, e < E, BITS) >= t)).to(tl.int32), axis=0)
+        return count
+
+    @triton.jit
+    def _topk_entries_kernel(scores_ptr, vis_ptr, out_ptr, E, k, S, so_b, so_s, BLOCK: tl.constexpr,
+                             BITS: tl.constexpr, RESIDENT: tl.constexpr):
         q = tl.program_id(0)  # one query (row b, position s) of scores [B, S, E] with strides so_b, so_s
         b, s = q // S, q % S
         row = scores_ptr + b.to(tl.int64) * so_b + s * so_s
         offs = tl.arange(0, BLOCK)
-        lo, hi = tl.full([], -2147483648, tl.int64), tl.full([], 2147483647, tl.int64)
-        for _ in range(32):  # the largest t with count(key >= t) >= k: the k-th largest key
+        if RESIDENT:  # the row fits in the program's registers (BLOCK >= E): one read of it
+            keys = _order_keys(row, offs, offs < E, BITS)
+        # The k-th largest key: the largest t with count(key >= t) >= k, by bisection over the keys' range
+        lo = tl.full([], -(1 << (BITS - 1)), tl.int64)
+        hi = tl.full([], (1 << (BITS - 1)) - 1, tl.int64)
+        for _ in tl.static_range(BITS):
             mid = lo + (hi - lo + 1) // 2
-            count = tl.zeros([], tl.int64)
-            for e0 in range(0, E, BLOCK):
-                e = e0 + offs
-                live = e < E
-                count += tl.sum((live & (_order_keys(row, e, live).to(tl.int64) >= mid)).to(tl.int64), axis=0)
+            if RESIDENT:
+                count = tl.sum(((offs < E) & (keys >= mid.to(tl.int32))).to(tl.int32), axis=0)
+            else:
+                count = _count_at_least(row, E, mid.to(tl.int32), BLOCK, BITS)
             lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
-        above = tl.zeros([], tl.int64)
-        for e0 in range(0, E, BLOCK):
-            e = e0 + offs
-            live = e < E
-            above += tl.sum((live & (_order_keys(row, e, live).to(tl.int64) > lo)).to(tl.int64), axis=0)
-        ties, written = k - above, tl.zeros([], tl.int64)  # the lowest-index `ties` entries equal to the k-th
+        kth = lo.to(tl.int32)
+        if RESIDENT:
+            above = tl.sum(((offs < E) & (keys > kth)).to(tl.int32), axis=0)
+        else:
+            above = _count_at_least(row, E, lo + 1, BLOCK, BITS)  # int64: no wrap past the top key
+        ties = k - above  # the lowest-index `ties` entries equal to the k-th go in
         visible = tl.load(vis_ptr + q).to(tl.int64)
-        seen_equal = tl.zeros([], tl.int64)
-        for e0 in range(0, E, BLOCK):
+        written, seen_equal = tl.zeros([], tl.int32), tl.zeros([], tl.int32)
+        for e0 in range(0, E, BLOCK):  # once when RESIDENT
             e = e0 + offs
             live = e < E
-            key = _order_keys(row, e, live).to(tl.int64)
-            equal = (live & (key == lo)).to(tl.int64)
+            if RESIDENT:
+                key = keys
+            else:
+                key = _order_keys(row, e, live, BITS)
+            equal = (live & (key == kth)).to(tl.int32)
             rank = seen_equal + tl.cumsum(equal, axis=0) - equal  # equal entries before this one
-            keep = (live & (key > lo)) | ((equal != 0) & (rank < ties))
-            at = written + tl.cumsum(keep.to(tl.int64), axis=0) - keep.to(tl.int64)
+            keep = ((live & (key > kth)) | ((equal != 0) & (rank < ties))).to(tl.int32)
+            at = written + tl.cumsum(keep, axis=0) - keep
             tl.store(out_ptr + q.to(tl.int64) * k + at, tl.where(e.to(tl.int64) < visible, e.to(tl.int64), -1),
-                     mask=keep)
-            written += tl.sum(keep.to(tl.int64), axis=0)
+                     mask=(keep != 0) & (at < k))  # never past the row, whatever the keys
+            written += tl.sum(keep, axis=0)
             seen_equal += tl.sum(equal, axis=0)
 
-TOPK_KERNEL_ROWS = 1024  # queries a step up to which topk_entries runs as the kernel (a speed choice: same list)
+RESIDENT_ENTRIES = 32768  # the longest row a top-k program holds in registers (a warp per 1,024 of its entries)
 
 
 def applies_topk(scores: torch.Tensor) -> bool:
-    """CUDA, a step of at most TOPK_KERNEL_ROWS queries (decode, short chunks): 33 passes over each row beat the
-    keyed top-k and sort there; a long prefill's rows are many enough for torch's."""
-    return triton is not None and scores.is_cuda and scores.numel() // max(scores.size(-1), 1) <= TOPK_KERNEL_ROWS
+    """CUDA, at any number of queries: the kernel beats the keyed top-k and sort at decode and prefill alike."""
+    return triton is not None and scores.is_cuda
 
 
-def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int, block: int = 4096) -> torch.Tensor:
+def topk_config(E: int, dtype: torch.dtype, block: int | None = None, num_warps: int | None = None) -> dict:
+    """How `_topk_entries_kernel` takes a row of E scores: whole in registers up to RESIDENT_ENTRIES (BLOCK its
+    power of two, a warp per 1,024 entries, at least 4), else 4,096 at a time over 16 warps (the best of 4 to 32
+    on an H200 at 64 rows of 32k and 128k entries); `block` forces passes of that many (tests)."""
+    BLOCK = triton.next_power_of_2(E) if block is None else min(block, triton.next_power_of_2(E))
+    resident = BLOCK >= E and BLOCK <= RESIDENT_ENTRIES
+    if not resident and block is None:
+        BLOCK = 4096
+    warps = num_warps or (max(4, min(32, BLOCK // 1024)) if resident else 16)
+    return dict(BLOCK=BLOCK, BITS=16 if dtype == torch.bfloat16 else 32, RESIDENT=resident, num_warps=warps)
+
+
+def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int, block: int | None = None,
+                 num_warps: int | None = None) -> torch.Tensor:
     """scores [B,S,E] (bf16 or fp32, -inf where masked), visible [B,S] -> the top-k entry ids [B,S,k] int64 in
     ascending order, -1 where j >= V(p), equal scores going to the lower index: model/attention.py
-    `topk_entries` with the "lower-index" rule, the same list. 0 < k <= E; `block`: entries a pass step (tests)."""
+    `topk_entries` with the "lower-index" rule, the same list. 0 < k <= E; `block`, `num_warps`: tests, tuning."""
     B, S, E = scores.shape
     out = torch.empty(B, S, k, dtype=torch.long, device=scores.device)
     if B * S:
         scores = scores if scores.stride(-1) == 1 else scores.contiguous()
         _topk_entries_kernel[(B * S,)](scores, visible.contiguous(), out, E, k, S, scores.stride(0), scores.stride(1),
-                                       BLOCK=min(block, triton.next_power_of_2(E)))
+                                       **topk_config(E, scores.dtype, block, num_warps))
     return out
 
 

@@ -199,7 +199,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_block
 def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int, tie_rule: str = "lower-index") -> torch.Tensor:
     """Top-k entry ids [B,S,k] int64 sorted ascending by position, -1 where j >= V(p) (spec §2.7).
     k = min(index_topk, entries); the -1 padding lands at the end of each list. With the fused
-    launches on (FUSED_LAUNCHES, CUDA), few queries: one launch (kernels/indexer.py), the same list."""
+    launches on (FUSED_LAUNCHES, CUDA): one launch (kernels/indexer.py), the same list."""
     if tie_rule == "lower-index" and use_fused(scores) and indexer_kernel.applies_topk(scores):
         return indexer_kernel.topk_entries(scores, visible, k)
     idx = _top(scores, k, tie_rule, sorted=False).sort(dim=-1).values

@@ -693,10 +693,12 @@ def test_compiled_engram_kernels_match_the_torch_path(name, fused):
     print(f"{name}: {(got[2] != want[2]).float().mean().item():.3%} of the Engram outputs differ")
 
 
-@pytest.mark.parametrize("B, S, E, k", [(64, 1, 16384, 512), (64, 1, 300, 64), (2, 300, 150, 64), (4, 1, 70000, 2048)])
+@pytest.mark.parametrize("B, S, E, k", [(64, 1, 16384, 512), (64, 1, 32768, 512), (64, 1, 300, 64), (2, 300, 150, 64),
+                                        (4, 1, 70000, 2048), (1, 4096, 8192, 512)])
 def test_compiled_topk_entries_give_the_torch_list(B, S, E, k, fused):
     """kernels/indexer.py's top-k compiled against the keyed top-k, sort and mask of the torch path: the same
-    list, on bf16 scores with ties and -inf, at a slice decode shape (16k entries, k = 512) and tiny-68m's."""
+    list, on bf16 scores with ties and -inf, at slice decode shapes (16k and 32k entries, k = 512: rows held in
+    registers), tiny-68m's, a row longer than RESIDENT_ENTRIES (read again each pass) and a prefill chunk's."""
     import model.attention as attention
 
     g = torch.Generator(device="cuda").manual_seed(E)
