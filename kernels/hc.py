@@ -80,23 +80,19 @@ if triton is not None:
                         HC)
 
     @triton.jit
-    def _hc_handoff_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, scale_ptr, base_ptr, cpre_ptr,
-                           mixes_ptr, pre_ptr, next_post_ptr, next_comb_ptr, x_ptr, norm_w_ptr, normed_ptr, D, M,
-                           iters, hc_eps, mix_eps, norm_eps, EXPAND: tl.constexpr, NORM: tl.constexpr,
-                           HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-        # One token, the hyper-connections between two sublayers (see `hc_handoff`): EXPAND, the stream
-        # [HC, D] = post·y + combᵀ·h, stored to stream_ptr (else the stream is h as it is); its mixes as
-        # _hc_mixes_kernel, then _split_sinkhorn; then its collapse with cpre, as _hc_pre_kernel; NORM, that
-        # collapse's RMSNorm as kernels/norm.py's _rms_norm_kernel computes it from the rounded collapse.
-        row = tl.program_id(0).to(tl.int64)
+    def _stream_mixes(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, row, D, M, k_lo, k_hi,
+                      EXPAND: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A token's stream over its flat [HC * D] positions k_lo to k_hi: EXPAND, post·y + combᵀ·h, stored to
+        stream_ptr (else h as it is); -> (its mixes' sums fn·x over those positions [BLOCK_M], the squares of x
+        [BLOCK_K], to be summed)."""
         K = HC * D
         m = tl.arange(0, BLOCK_M)
         j = tl.arange(0, HC)
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             f = k0 + tl.arange(0, BLOCK_K)  # flat [HC * D] index: copy c, position d
-            live = f < K
+            live = f < k_hi
             if EXPAND:
                 c, d = f // D, f % D
                 y = tl.load(y_ptr + row * D + d, mask=live, other=0.0).to(tl.float32)
@@ -113,7 +109,49 @@ if triton is not None:
             w = tl.load(fn_ptr + m[:, None] * K + f[None, :], mask=(m < M)[:, None] & live[None, :], other=0.0)
             acc += tl.sum(w * x[None, :], axis=1)  # fp32 products and sums, as torch's fp32 F.linear
             squares += x * x
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(squares, axis=0), K.to(tl.float32)) + mix_eps))
+        return acc, squares
+
+    @triton.jit
+    def _hc_handoff_part_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, parts_ptr, D, M, part_k,
+                                PARTS: tl.constexpr, EXPAND: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+        # Program (token, part): `_stream_mixes` over the part's part_k positions; its sums and the sum of its
+        # squares go to parts [tokens, PARTS, BLOCK_M + 1] for `_hc_handoff_kernel` to add in part order.
+        row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        k_lo = part * part_k
+        acc, squares = _stream_mixes(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, row, D, M, k_lo,
+                                     tl.minimum(k_lo + part_k, HC * D), EXPAND, HC, BLOCK_M, BLOCK_K)
+        at = parts_ptr + (row * PARTS + part) * (BLOCK_M + 1)
+        tl.store(at + tl.arange(0, BLOCK_M), acc)
+        tl.store(at + BLOCK_M, tl.sum(squares, axis=0))
+
+    @triton.jit
+    def _hc_handoff_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, scale_ptr, base_ptr, cpre_ptr,
+                           mixes_ptr, pre_ptr, next_post_ptr, next_comb_ptr, x_ptr, norm_w_ptr, normed_ptr, parts_ptr,
+                           D, M, iters, hc_eps, mix_eps, norm_eps, EXPAND: tl.constexpr, NORM: tl.constexpr,
+                           HC: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+        # One token, the hyper-connections between two sublayers (see `hc_handoff`): EXPAND, the stream
+        # [HC, D] = post·y + combᵀ·h, stored to stream_ptr (else the stream is h as it is); its mixes as
+        # _hc_mixes_kernel (with PARTS, from the sums `_hc_handoff_part_kernel` left, added in part order), then
+        # _split_sinkhorn; then its collapse with cpre, as _hc_pre_kernel; NORM, that collapse's RMSNorm as
+        # kernels/norm.py's _rms_norm_kernel computes it from the rounded collapse.
+        row = tl.program_id(0).to(tl.int64)
+        K = HC * D
+        m = tl.arange(0, BLOCK_M)
+        j = tl.arange(0, HC)
+        if PARTS:
+            at = parts_ptr + row * PARTS * (BLOCK_M + 1)
+            acc = tl.load(at + m)
+            total = tl.load(at + BLOCK_M)
+            for part in tl.static_range(1, PARTS):
+                acc += tl.load(at + part * (BLOCK_M + 1) + m)
+                total += tl.load(at + part * (BLOCK_M + 1) + BLOCK_M)
+        else:
+            acc, squares = _stream_mixes(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, row, D, M, 0, K,
+                                         EXPAND, HC, BLOCK_M, BLOCK_K)
+            total = tl.sum(squares, axis=0)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(total, K.to(tl.float32)) + mix_eps))
         tl.store(mixes_ptr + row * M + m, acc * rstd, mask=m < M)
         tl.debug_barrier()  # the mixes and the stream, written by every thread, are read by others below
         one = row + tl.arange(0, 1)
@@ -275,6 +313,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
+PART_K = 2048  # the positions of a wide stream a part of a token's mixes sums (`handoff_config`)
 WIDE_STREAM = 8192  # the stream's width (hc·d) from which a prefill chunk's handoff takes T tokens a program
 # ... and the tokens a launch from which it does: at the slice's width on an H200 a token a program takes
 # 0.33 ms at 512 tokens and 5.0 at 8,192, 64 a program 1.2-1.4 ms at either (benchmarks/bench_handoff.py)
@@ -282,26 +321,30 @@ CHUNK_ROWS = 4096
 
 
 def handoff_config(h: torch.Tensor, batch_invariant: bool = False) -> dict:
-    """How a handoff launch of the streams h [..., hc, d] is laid out. A token a program reading all of fn (the
-    form of tiny-68m, whose H200 trace's bits are this form's, and of decode steps), except for a chunk of at
-    least CHUNK_ROWS bf16 tokens of a stream at least WIDE_STREAM wide, outside the batch-invariant mode (where
-    a token's bits must not depend on how many share its launch): there each of 8,192 programs read fn (2 MB
-    at V4.1's 20,480) from L2 for one token (5.0 ms a launch on an H200), and 64 tokens a program share each
-    block of it, the mixes on the tensor cores (`_hc_handoff_rows_kernel`: 1.36 ms; benchmarks/RESULTS.md)."""
+    """How a handoff launch of the streams h [..., hc, d] is laid out. A token a program (the form of tiny-68m,
+    whose H200 trace's bits are this form's, of decode steps and of the batch-invariant mode), except for a
+    chunk of at least CHUNK_ROWS bf16 tokens of a stream at least WIDE_STREAM wide, outside the batch-invariant
+    mode (where a token's bits must not depend on how many share its launch): there each of 8,192 programs read
+    fn (2 MB at V4.1's 20,480) from L2 for one token (5.0 ms a launch on an H200), and 64 tokens a program share
+    each block of it, the mixes on the tensor cores (`_hc_handoff_rows_kernel`: 1.36 ms; benchmarks/RESULTS.md).
+    A token a program at a stream at least WIDE_STREAM wide first sums its mixes in parts of PART_K positions,
+    a program each (PART_K: the parts by width alone, so a token's bits stay its own): a decode step's 64
+    programs, each reading all of fn, were latency-bound (83 us a launch at the slice's width on an H200)."""
     hc, d = h.shape[-2:]
     n = h.numel() // (hc * d)
     if (hc * d >= WIDE_STREAM and n >= CHUNK_ROWS and h.dtype == torch.bfloat16 and d % 64 == 0
             and not batch_invariant):
         return dict(T=64, BLOCK_K=64, BLOCK_D=64, num_warps=8)
-    return dict(T=1)
+    return dict(T=1, PART_K=PART_K) if hc * d >= WIDE_STREAM else dict(T=1)
 
 
 def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None,
                fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, pre: torch.Tensor, iters: int,
                hc_eps: float, mix_eps: float, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
                batch_invariant: bool = False, cfg: dict | None = None):
-    """The hyper-connections between two sublayers in one launch (model/hc.py `handoff`), a program per token or, for a
-    prefill chunk of a wide stream, per 64 (`handoff_config`): the expand of the sublayer before (the stream =
+    """The hyper-connections between two sublayers in one launch (model/hc.py `handoff`), a program per token (two
+    launches at a wide stream: the parts of its mixes' sums first) or, for a prefill chunk of a wide stream, per 64
+    (`handoff_config`): the expand of the sublayer before (the stream =
     hc_post(y, h, post, comb); with y None the stream is h, as at a block's start), the mixes of the sublayer after
     from that stream (`hc_mixes`, then `hc_split_sinkhorn`; mix_eps the statistic's eps), and that sublayer's input
     before its norm, the stream collapsed with `pre` (`hc_pre`). -> (stream [..., hc, d], (pre, post, comb) of the
@@ -331,8 +374,14 @@ def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | Non
                   norm_weight if norm_weight is not None else x, normed)
         flags = dict(EXPAND=expand, NORM=norm_weight is not None, HC=hc, BLOCK_M=triton.next_power_of_2(M))
         if cfg["T"] == 1:
-            _hc_handoff_kernel[(n,)](*common, d, M, iters, hc_eps, mix_eps, norm_eps, **flags, BLOCK_K=512,
-                                     BLOCK_D=triton.next_power_of_2(d), num_warps=8)
+            parts = triton.cdiv(hc * d, cfg["PART_K"]) if cfg.get("PART_K") else 0
+            sums = torch.empty(n, parts, flags["BLOCK_M"] + 1, dtype=torch.float32, device=h.device) if parts else mixes
+            if parts:
+                _hc_handoff_part_kernel[(n, parts)](args[0], h2, args[1], args[2], stream, fn.contiguous(), sums, d, M,
+                                                   cfg["PART_K"], PARTS=parts, EXPAND=expand, HC=hc,
+                                                   BLOCK_M=flags["BLOCK_M"], BLOCK_K=512, num_warps=8)
+            _hc_handoff_kernel[(n,)](*common, sums, d, M, iters, hc_eps, mix_eps, norm_eps, **flags, PARTS=parts,
+                                     BLOCK_K=512, BLOCK_D=triton.next_power_of_2(d), num_warps=8)
         else:
             assert d % cfg["BLOCK_K"] == 0 and h.dtype == torch.bfloat16, "T tokens a program: bf16, whole blocks"
             _hc_handoff_rows_kernel[(triton.cdiv(n, cfg["T"]),)](*common, n, d, M, iters, hc_eps, mix_eps, norm_eps,

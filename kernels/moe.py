@@ -89,16 +89,6 @@ if triton is not None:
         return ids, ws
 
     @triton.jit
-    def _route_kernel(sp_ptr, bias_ptr, ids_ptr, w_ptr, E, route_scale, K: tl.constexpr, NORM: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-        n = tl.program_id(0).to(tl.int64)
-        e, slot = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
-        sp = tl.load(sp_ptr + n * E + e[None, :], mask=e[None, :] < E, other=1.0)  # [1, BLOCK_E]
-        ids, ws = _route_rows(sp, e, bias_ptr, E, K, NORM, 1, BLOCK_E, BLOCK_K)
-        tl.store(ids_ptr + n * K + slot[None, :], ids, mask=slot[None, :] < K)
-        tl.store(w_ptr + n * K + slot[None, :], ws * route_scale, mask=slot[None, :] < K)
-
-    @triton.jit
     def _softplus(x):
         """F.softplus (beta 1, threshold 20) through fp64: log1p(exp(x)), where exp(x) < 1e-8 is its own
         log1p within an fp32 rounding; one rounding to fp32 (torch's expf and log1pf may differ by an ulp)."""
@@ -106,63 +96,103 @@ if triton is not None:
         return tl.where(x > 20.0, x, tl.where(ex < 1e-8, ex, tl.log(1.0 + ex)).to(tl.float32))
 
     @triton.jit
-    def _gate_kernel(x_ptr, w_ptr, bias_ptr, sp_ptr, ids_ptr, wout_ptr, N, D, E, temp, route_scale,
-                     TEMP: tl.constexpr, ROUTE: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
+    def _route_kernel(sp_ptr, bias_ptr, ids_ptr, w_ptr, N, E, temp, route_scale, K: tl.constexpr,
+                      NORM: tl.constexpr, PARTS: tl.constexpr, TEMP: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        """A row's route from its softplus values [N, E], or with PARTS > 0 from its logits in PARTS partial
+        sums [PARTS, N, E] (`_gate_kernel` split over d): added in part order, / temp, softplus, then the route."""
+        n = tl.program_id(0).to(tl.int64)
+        e, slot = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
+        if PARTS == 0:
+            sp = tl.load(sp_ptr + n * E + e[None, :], mask=e[None, :] < E, other=1.0)  # [1, BLOCK_E]
+        else:
+            acc = tl.load(sp_ptr + n * E + e[None, :], mask=e[None, :] < E, other=0.0)
+            for part in tl.static_range(1, PARTS):
+                acc += tl.load(sp_ptr + (part * N + n) * E + e[None, :], mask=e[None, :] < E, other=0.0)
+            if TEMP:
+                acc = tl.div_rn(acc, temp)
+            sp = tl.where(e[None, :] < E, _softplus(acc), 1.0)
+        ids, ws = _route_rows(sp, e, bias_ptr, E, K, NORM, 1, BLOCK_E, BLOCK_K)
+        tl.store(ids_ptr + n * K + slot[None, :], ids, mask=slot[None, :] < K)
+        tl.store(w_ptr + n * K + slot[None, :], ws * route_scale, mask=slot[None, :] < K)
+
+    @triton.jit
+    def _gate_kernel(x_ptr, w_ptr, bias_ptr, sp_ptr, ids_ptr, wout_ptr, N, D, E, temp, route_scale, part_d,
+                     TEMP: tl.constexpr, ROUTE: tl.constexpr, PARTS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                      TC: tl.constexpr, BF16: tl.constexpr):
         """Program (rows block, experts block): logits = fp32(x)·Wᵀ by IEEE fp32 FMAs over d in order (each
         value's chain of adds is the same in any tile or batch), or with TC (bf16 x and W) on the tensor cores:
         each product exact in fp32, the sums in fp32 in the MMA's order (which depends on the tile); / temp,
         softplus; then, when one block holds every expert (ROUTE), the route of each row, else the softplus
-        values for `route`."""
+        values for `route`. With PARTS, program (rows, experts, part) sums d over [part·part_d, (part+1)·part_d)
+        only and stores that partial logit to sp_ptr [PARTS, N, E] for `_route_kernel` to finish."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
         rows, experts = n[:, None] < N, e[None, :] < E
         acc = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
-        for start in range(0, D, BLOCK_D):
+        lo, hi = 0, D
+        if PARTS:
+            lo = tl.program_id(2) * part_d
+            hi = tl.minimum(lo + part_d, D)
+        for start in range(lo, hi, BLOCK_D):
             d = start + tl.arange(0, BLOCK_D)
-            x = tl.load(x_ptr + n[:, None].to(tl.int64) * D + d[None, :], mask=rows & (d[None, :] < D), other=0.0)
-            w = tl.load(w_ptr + e[None, :].to(tl.int64) * D + d[:, None], mask=experts & (d[:, None] < D), other=0.0)
+            x = tl.load(x_ptr + n[:, None].to(tl.int64) * D + d[None, :], mask=rows & (d[None, :] < hi), other=0.0)
+            w = tl.load(w_ptr + e[None, :].to(tl.int64) * D + d[:, None], mask=experts & (d[:, None] < hi), other=0.0)
             if TC:
                 acc += _mm(x, w, BF16)
             else:
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        if TEMP:
-            acc = tl.div_rn(acc, temp)
-        sp = _softplus(acc)
-        if ROUTE:
-            slot = tl.arange(0, BLOCK_K)
-            ids, ws = _route_rows(sp, e, bias_ptr, E, K, NORM, BLOCK_N, BLOCK_E, BLOCK_K)
-            out = n[:, None].to(tl.int64) * K + slot[None, :]
-            tl.store(ids_ptr + out, ids, mask=rows & (slot[None, :] < K))
-            tl.store(wout_ptr + out, ws * route_scale, mask=rows & (slot[None, :] < K))
+        if PARTS:
+            tl.store(sp_ptr + (tl.program_id(2) * N + n[:, None]).to(tl.int64) * E + e[None, :], acc,
+                     mask=rows & experts)
         else:
-            tl.store(sp_ptr + n[:, None].to(tl.int64) * E + e[None, :], sp, mask=rows & experts)
+            if TEMP:
+                acc = tl.div_rn(acc, temp)
+            sp = _softplus(acc)
+            if ROUTE:
+                slot = tl.arange(0, BLOCK_K)
+                ids, ws = _route_rows(sp, e, bias_ptr, E, K, NORM, BLOCK_N, BLOCK_E, BLOCK_K)
+                out = n[:, None].to(tl.int64) * K + slot[None, :]
+                tl.store(ids_ptr + out, ids, mask=rows & (slot[None, :] < K))
+                tl.store(wout_ptr + out, ws * route_scale, mask=rows & (slot[None, :] < K))
+            else:
+                tl.store(sp_ptr + n[:, None].to(tl.int64) * E + e[None, :], sp, mask=rows & experts)
 
 
-def route(softplus: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, route_scale: float):
+def route(softplus: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, route_scale: float,
+          temp: float = 1.0):
     """The gate after its softplus (spec §5): scores = sqrt(softplus), the top k of scores + bias (the bias
     only selects), their scores normalised over the k (when `norm` and k > 1) and scaled. softplus fp32
     [N, E], bias fp32 [E] -> (weights fp32 [N, k], ids int64 [N, k] in descending biased score). One
     launch for model/moe.py's eight (sqrt, add, topk, gather, sum, add, div, mul); the same IEEE
-    operations, the k weights summed in order (k = 2 adds one pair, so the same bits as torch's sum)."""
-    N, E = softplus.shape
+    operations, the k weights summed in order (k = 2 adds one pair, so the same bits as torch's sum).
+    Given [P, N, E] instead, the P partial sums of each logit over d (`gate`'s parts): added in order,
+    / temp, the softplus, then the same."""
+    parts = softplus.size(0) if softplus.dim() == 3 else 0
+    N, E = softplus.shape[-2:]
     ids = torch.empty(N, k, dtype=torch.long, device=softplus.device)
     w = torch.empty(N, k, dtype=torch.float32, device=softplus.device)
     if N:
-        _route_kernel[(N,)](softplus.contiguous(), bias.contiguous(), ids, w, E, float(route_scale), K=k,
-                            NORM=bool(norm and k > 1), BLOCK_E=triton.next_power_of_2(E),
-                            BLOCK_K=triton.next_power_of_2(k))
+        _route_kernel[(N,)](softplus.contiguous(), bias.contiguous(), ids, w, N, E, float(temp), float(route_scale),
+                            K=k, NORM=bool(norm and k > 1), PARTS=parts, TEMP=temp != 1,
+                            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k))
     return w, ids
 
 
-# Each logit is one chain of IEEE FMAs over d in order whatever the tile (tl.dot in "ieee" fp32 on the CUDA cores),
-# so the tile may follow the batch without a row's bits following it (tests/gpu: a row alone and in a batch of
-# 1,000 give the same bits; on an H200 every tile of the sweep in benchmarks/RESULTS.md gave the same bits).
+# Each logit is one chain of IEEE FMAs over d in order (or over each part of d, below) whatever the tile (tl.dot
+# in "ieee" fp32 on the CUDA cores), so the tile may follow the batch without a row's bits following it
+# (tests/gpu: a row alone and in a batch of 1,000 give the same bits; on an H200 every tile of the sweep in
+# benchmarks/RESULTS.md gave the same bits).
 # From TC_ROWS rows (a prefill chunk) outside the batch-invariant mode, a bf16 weight's logits go on the tensor
 # cores instead: the FMA chains took 2.2 ms a layer at the slice's 8,192 x 384 x 5,120 (15 TFLOP/s) on an H200,
 # the tensor cores 0.19 ms (bench_fp4.py --gate-sweep).
 ROUTE_EXPERTS = 128  # up to this many experts a program holds them all and routes in the same launch
+# Beyond ROUTE_EXPERTS, the FMA chains run in parts of PART_D values of d, each its own program, and the route's
+# launch adds a logit's parts in order: a decode step's 64 rows of the slice's 384 experts were 96 programs
+# (16 x 16 logits each, 105 us a layer on an H200, latency-bound) and are 960. The parts are fixed by d alone,
+# never by the batch, so a row's bits stay its own (the batch-invariant mode's promise).
+PART_D = 512
 TC_ROWS = 4096  # above the H200 example trace's chunks (2,048 tokens): its gate bits are the FMA chain's
 
 
@@ -189,7 +219,7 @@ def gate_tiles(N: int, E: int, tc: bool = False) -> tuple[int, int, int, int, in
 
 def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float, k: int, norm: bool,
          route_scale: float, tiles: tuple[int, int, int, int, int] | None = None, batch_invariant: bool = False,
-         tc: bool | None = None):
+         tc: bool | None = None, part_d: int | None = None):
     """The whole gate (spec §5) from x [N, d] (bf16) and the weight [E, d] (bf16 or fp32, taken in fp32):
     logits in IEEE fp32 (on the tensor cores where `use_tensor_cores`, `tc` overriding it),
     / temp (skipped at 1), softplus, then `route`'s selection and weights -> (weights fp32 [N, k], ids int64
@@ -197,7 +227,9 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float,
     `route`; the slice's 384), where torch takes five (the upcast, the GEMM and its split-K reduction, the
     softplus, the route). Within fp32 rounding of model/moe.py's torch lines (another order of the d sums,
     the softplus through fp64; on the tensor cores the sums in fp32 in the MMA's order), so a near tie in
-    the top-k may pick the other expert. `tiles` overrides `gate_tiles` (benchmarks)."""
+    the top-k may pick the other expert. Beyond ROUTE_EXPERTS, by FMA chains: d in parts of PART_D (`part_d`
+    overrides it; 0: one part), each logit's parts added in order by `route`. `tiles` overrides `gate_tiles`
+    (benchmarks)."""
     N, D = x.shape
     E = weight.size(0)
     ids = torch.empty(N, k, dtype=torch.long, device=x.device)
@@ -207,13 +239,19 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float,
     one = E <= ROUTE_EXPERTS
     tc = use_tensor_cores(N, weight, batch_invariant) if tc is None else tc
     rows, block_e, depth, warps, stages = tiles or gate_tiles(N, E, tc)
-    sp = w if one else torch.empty(N, E, dtype=torch.float32, device=x.device)  # one launch: sp_ptr unused
-    _gate_kernel[(triton.cdiv(N, rows), triton.cdiv(E, block_e))](
+    part_d = PART_D if part_d is None else part_d
+    parts = triton.cdiv(D, part_d) if part_d and not one and not tc else 1
+    parts = parts if parts > 1 else 0
+    # one launch: sp_ptr unused; else the softplus values [N, E], or the logits' partial sums [parts, N, E]
+    sp = w if one else torch.empty(max(parts, 1), N, E, dtype=torch.float32, device=x.device)
+    _gate_kernel[(triton.cdiv(N, rows), triton.cdiv(E, block_e), max(parts, 1))](
         x.contiguous(), weight.contiguous(), bias.contiguous(), sp, ids, w, N, D, E, float(temp), float(route_scale),
-        TEMP=temp != 1, ROUTE=one, K=k, NORM=bool(norm and k > 1), BLOCK_N=rows, BLOCK_E=block_e,
-        BLOCK_D=depth, BLOCK_K=triton.next_power_of_2(k), TC=tc, BF16=x.is_cuda, num_warps=warps,
+        part_d or D, TEMP=temp != 1, ROUTE=one, PARTS=parts, K=k, NORM=bool(norm and k > 1), BLOCK_N=rows,
+        BLOCK_E=block_e, BLOCK_D=depth, BLOCK_K=triton.next_power_of_2(k), TC=tc, BF16=x.is_cuda, num_warps=warps,
         num_stages=stages)
-    return (w, ids) if one else route(sp, bias, k, norm, route_scale)
+    if one:
+        return w, ids
+    return route(sp, bias, k, norm, route_scale, temp) if parts else route(sp[0], bias, k, norm, route_scale)
 
 
 def combine(out: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

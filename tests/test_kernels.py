@@ -151,7 +151,9 @@ WIDE = dict(T=8, BLOCK_K=16, BLOCK_D=64, num_warps=8)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("cfg", [None, WIDE])  # a token a program (tiny-68m's form), several (a wide chunk's)
+@pytest.mark.parametrize("cfg", [None, WIDE, dict(T=1, PART_K=128)])  # a token a program (tiny-68m's form),
+# several (a wide chunk's), a token a program with its mixes summed in parts first (a wide stream's decode; at
+# d = 80 the third of the 320 positions' parts is in part)
 @pytest.mark.parametrize("expand", [True, False])
 @pytest.mark.parametrize("d", [128, 80])  # 128: tiny-68m (one 512-wide tile of the stream); 80: no power of two
 def test_hc_handoff_kernel_matches_the_torch_path(expand, d, cfg):
@@ -186,9 +188,12 @@ def test_only_a_prefill_chunk_of_a_wide_stream_takes_the_tensor_core_forms():
 
     stream = lambda n, d=5120, dtype=torch.bfloat16: torch.empty(n, 4, d, dtype=dtype, device="meta")  # noqa: E731
     assert handoff_config(stream(CHUNK_ROWS))["T"] == 64
-    for h in (stream(CHUNK_ROWS - 1), stream(CHUNK_ROWS, d=128), stream(CHUNK_ROWS, dtype=torch.float32)):
-        assert handoff_config(h) == dict(T=1)
-    assert handoff_config(stream(CHUNK_ROWS), batch_invariant=True) == dict(T=1)
+    for h in (stream(CHUNK_ROWS - 1), stream(CHUNK_ROWS, dtype=torch.float32), stream(CHUNK_ROWS, d=128)):
+        assert handoff_config(h)["T"] == 1
+    assert handoff_config(stream(CHUNK_ROWS), batch_invariant=True)["T"] == 1
+    # a token a program sums a wide stream's mixes in parts fixed by the width, whatever the batch or the mode
+    assert handoff_config(stream(1)) == handoff_config(stream(CHUNK_ROWS), batch_invariant=True) == dict(T=1, PART_K=2048)
+    assert handoff_config(stream(CHUNK_ROWS, d=128)) == dict(T=1)  # tiny-68m: one launch, its trace's bits
     weight = torch.empty(384, 5120, dtype=torch.bfloat16, device="meta")
     assert use_tensor_cores(TC_ROWS, weight, False)
     assert not use_tensor_cores(TC_ROWS - 1, weight, False) and not use_tensor_cores(TC_ROWS, weight, True)
@@ -453,10 +458,11 @@ def test_gate_route_kernel_gives_the_bits_of_the_torch_gate(moe, k, norm):
 
 @needs_interpreter
 @pytest.mark.parametrize("tc", [False, True])  # the logits by FMA chains, or on the tensor cores (a prefill chunk's)
-@pytest.mark.parametrize("E,k,temp", [(16, 2, 1.0), (16, 1, 0.7), (200, 6, 1.0)])
-def test_gate_kernel_is_the_torch_gate_within_fp32_rounding(E, k, temp, tc):
+@pytest.mark.parametrize("E,k,temp,part_d", [(16, 2, 1.0, None), (16, 1, 0.7, None), (200, 6, 1.0, 0), (200, 6, 0.7, 32)])
+def test_gate_kernel_is_the_torch_gate_within_fp32_rounding(E, k, temp, part_d, tc):
     """kernels/moe.py `gate` (the logits' GEMM, / temp, softplus and the route in one launch up to 128
-    experts, two beyond) against model/moe.py's torch lines, on rows and widths that are not multiples of
+    experts, two beyond, d then in parts whose sums the route adds: 4 parts of 32 here, by FMA chains) against
+    model/moe.py's torch lines, on rows and widths that are not multiples of
     the tiles: the same experts in the same order, the weights within fp32 rounding: a logit's d sums in
     another order differ by up to D·2^-24·Σ|x·w| (torch's CPU GEMM sums by the machine's vector width), which
     a score sqrt(softplus(logit / temp)) of a very negative logit carries relatively, halved and over temp;
@@ -476,7 +482,7 @@ def test_gate_kernel_is_the_torch_gate_within_fp32_rounding(E, k, temp, tc):
                                   n_routed_experts=E, dim=D))
     module.weight.data, module.bias.data = weight.bfloat16(), bias
     want_w, want_ids = module(x)
-    got_w, got_ids = gate(x, module.weight, bias, temp, k, True, 1.5, tc=tc)
+    got_w, got_ids = gate(x, module.weight, bias, temp, k, True, 1.5, tc=tc, part_d=part_d)
     assert torch.equal(got_ids, want_ids) and (want_ids[:, 0] == 3).all()
     sums = (x.float().abs() @ module.weight.float().abs().T).gather(1, want_ids)  # Σ|x·w| of each pick
     rtol = 1e-5 + 0.5 / temp * D * 2 ** -24 * sums.amax(-1, keepdim=True)  # a slot's weight also carries the row's sum
