@@ -26,7 +26,10 @@ batch) draws the same token from the same logits. Three pieces:
    Temperature 0 is greedy: plain argmax of the logits, no noise, the seed ignored.
 
 Two paths, equal bit for bit: a Triton kernel (a program per row and vocab split, looping over its part of
-the vocab in blocks with a running argmax, then the lowest index at the maximum over the splits) and a torch
+the vocab in blocks with a running argmax, then the lowest index at the maximum over the splits; the fp64
+logs only for the lanes whose score may reach the program's best so far, by a bound from fp32 logs that
+lies above it for every u, `_gumbel`'s BOUND: a skipped lane's score is below a score already seen, so it can
+neither be the token nor tie with it) and a torch
 path that re-implements Philox in int64 ops for CPU, where the Triton interpreter is far too slow at a
 129,280-token vocab. Neither synchronises with the host (no .item(), no data-dependent
 shape), so `sample` can sit inside an asynchronous step and a CUDA graph. Logits must be free of NaN (the
@@ -37,19 +40,19 @@ import torch
 try:  # Triton ships Linux wheels only; elsewhere the torch path is the sampler.
     import triton
     import triton.language as tl
+
+    # The kernel's margin between the fp32-log noise and the fp64-log noise (`_gumbel`'s BOUND): 300x the largest
+    # difference (3e-6), and well above half an ulp of g (<= 2^-20 at |g| <= 22)
+    SCREEN = tl.constexpr(1e-3)
 except ImportError:
     triton = None
 
 _M32 = 0xFFFFFFFF
 
 
-def _int64(c: int) -> int:
-    """A uint64 constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
 # ---- mix_seed: SplitMix64 over (seed, position) -----------------------------------------------------------
-_GAMMA, _MIX1, _MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+# uint64 constants (each >= 2^63) as the int64s with the same bits
+_GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
 def _wrap(x):
@@ -132,8 +135,13 @@ def _sample_torch(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.
 if triton is not None:
 
     @triton.jit
-    def _gumbel(u):
-        """g = -log(-log(u)), the logs in fp64, rounded once to fp32."""
+    def _gumbel(u, BOUND: tl.constexpr = False):
+        """g = -log(-log(u)), the logs in fp64, rounded once to fp32. BOUND: an upper bound of it from fp32 logs
+        (the kernel's screen): two fp32 logs (libdevice's logf compiled, within an ulp) put -log(-log(u)) within
+        3e-6 of g for every u (|g| <= 22; tests/gpu checks all 75,497,473), and SCREEN lies above that and the
+        add's rounding; u = 0 gives -inf, as g."""
+        if BOUND:
+            return -tl.log(-tl.log(u)) + SCREEN
         return (-tl.log(-tl.log(u.to(tl.float64)))).to(tl.float32)
 
     @triton.jit
@@ -142,34 +150,37 @@ if triton is not None:
         wraps and shifts logically: the same 64 bits as the torch lines, in the kernel that uses them
         instead of 14 int64 launches before it."""
         z = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
-        position = tl.load(positions_ptr + row).to(tl.uint64, bitcast=True)
-        z = z + (position + 1) * 0x9E3779B97F4A7C15
+        z = z + (tl.load(positions_ptr + row).to(tl.uint64, bitcast=True) + 1) * 0x9E3779B97F4A7C15  # the position
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB
         return z ^ (z >> 31)
 
     @triton.jit
     def _sample_kernel(logits_ptr, stride_row, temps_ptr, seeds_ptr, positions_ptr, best_ptr, best_idx_ptr, V,
-                       CHUNK, BLOCK: tl.constexpr):
+                       CHUNK, BLOCK: tl.constexpr, SKIP: tl.constexpr):
         """Program (row, split): the argmax of the row's scores over vocab [split·CHUNK, (split+1)·CHUNK)."""
         row, split = tl.program_id(0), tl.program_id(1)
         key = _row_key(seeds_ptr, positions_ptr, row)
         temp = tl.load(temps_ptr + row)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         # Running argmax per lane: the earliest index of each lane's maximum (strict > keeps the first).
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
+        best, best_idx = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
         for start in range(split * CHUNK, tl.minimum(split * CHUNK + CHUNK, V), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"))  # lanes past V never win
             if temp == 0.0:  # greedy: plain argmax, no noise (a branch per row: ~7x cheaper on an H200)
                 score = x
             else:
-                g = _gumbel(tl.rand(key, cols))  # Philox keyed by the row's key, counter = vocab index
-                score = tl.div_rn(x, temp) + g  # div_rn: IEEE division, as torch's `/`
+                # Philox keyed by the row's key, counter = vocab index; div_rn: IEEE division, as torch's `/`
+                u, scaled = tl.rand(key, cols), tl.div_rn(x, temp)
+                # The fp64 logs only where a lane's score may reach the program's best so far: elsewhere its
+                # bound (fp32 logs) is below it, so its score is too, and it cannot be the token or tie with it.
+                near = scaled + _gumbel(u, True) >= tl.max(best, axis=0) if SKIP else cols >= 0
+                score = tl.full([BLOCK], float("-inf"), tl.float32)
+                if tl.max(near.to(tl.int32), axis=0) > 0:
+                    score = tl.where(near, scaled + _gumbel(u), score)
             better = score > best
-            best = tl.where(better, score, best)
-            best_idx = tl.where(better, cols, best_idx)
+            best, best_idx = tl.where(better, score, best), tl.where(better, cols, best_idx)
         top = tl.max(best, axis=0)
         out = row * tl.num_programs(1) + split
         tl.store(best_ptr + out, top)
@@ -194,28 +205,32 @@ if triton is not None:
 
 
 def _sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                   block: int = 4096) -> torch.Tensor:
+                   block: int | None = None, skip_from: int = 8, splits: int | None = None) -> torch.Tensor:
     # A program per (row, vocab split) is bound by Philox and the fp64 logs: 16 warps of 4096 lanes ran
     # 2.3x faster than 4 warps of 1024 on an H200 (V=129280). One program per row left most of the
     # chip idle below ~132 rows, so the vocab is split until rows x splits fills it; a second launch
     # takes the lowest index at the maximum over the splits, which is the token of one whole-row pass.
+    # The fp64 logs are skipped where a lane cannot win (`_gumbel`'s BOUND) once a program walks `skip_from`
+    # blocks or more (its first block takes them all; over a few blocks the fp32 bound costs more than it
+    # saves), in blocks of 1,024 from 16 rows. On an H200 at V = 129,280 (benchmarks/RESULTS.md): 64 rows
+    # 0.103 -> 0.079 ms, 256 rows 0.405 -> 0.253; 16 rows 0.033 -> 0.027 (the block alone); 1 row unchanged.
+    # None of these choices moves a token: each is the exact argmax, lowest index on ties.
     rows, V = logits.shape
-    splits = 1 << (max(1, min(32, 512 // max(rows, 1))).bit_length() - 1)  # a power of two, from the shape
+    splits = splits or 1 << (max(1, min(32, 512 // max(rows, 1))).bit_length() - 1)  # a power of two, by the shape
+    block = block or (4096 if rows < 16 else 1024)
     chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
-    best = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    best, best_idx = (torch.empty(rows, splits, dtype=t, device=logits.device) for t in (torch.float32, torch.int32))
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         _sample_kernel[(rows, splits)](logits, logits.stride(0), temperatures, seeds, positions, best, best_idx, V,
-                                       chunk, BLOCK=block, num_warps=16)
+                                       chunk, BLOCK=block, SKIP=chunk >= skip_from * block, num_warps=16)
         _argmax_splits_kernel[(rows,)](best, best_idx, out, V, SPLITS=splits)
     return out
 
 
 # ---- public API --------------------------------------------------------------------------------------------
 def _use_triton(use_triton: bool | None, device: torch.device) -> bool:
-    if use_triton is None:
-        use_triton = device.type == "cuda"
+    use_triton = device.type == "cuda" if use_triton is None else use_triton
     if use_triton and triton is None:
         raise RuntimeError("Triton is not installed here; sample with use_triton=False (the torch path).")
     return use_triton

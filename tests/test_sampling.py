@@ -107,6 +107,21 @@ def test_triton_kernel_matches_torch_path_bit_for_bit(n, vocab, block):
 
 
 @needs_triton
+def test_the_kernel_takes_the_fp64_noise_only_where_a_lane_may_win():
+    """A program walks its part of the vocab in blocks and takes the fp64 logs only for lanes whose bound from
+    fp32 logs reaches its best score so far (`_gumbel`'s BOUND): 48 rows of 512 in one program a row, 16 blocks of
+    32 each, so later blocks skip; the tokens are the torch path's, every one, and the same as with no skipping.
+    (With the bound's margin made negative, SCREEN -0.5, this test fails.)"""
+    logits, temperatures, seeds, positions = rows(48, 512, seed=11)
+    want = sample(logits, temperatures, seeds, positions, use_triton=False)
+    for skip in (True, False):
+        got = sampling._sample_triton(logits, temperatures, seeds, positions, block=32, splits=1,
+                                      skip_from=1 if skip else 1 << 30)
+        assert torch.equal(got, want), skip
+    assert (want != logits.argmax(dim=1)).sum() > 20
+
+
+@needs_triton
 def test_the_kernels_keys_are_mix_seed_at_the_int64_extremes():
     """The sampler's kernels derive each row's key from (seed, position) themselves (`_row_key`, uint64): the
     bits of mix_seed's int64 lines where the sums and products wrap and the shifts must be logical."""

@@ -18,6 +18,11 @@ if torch.cuda.is_available():
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(out_ptr + offs, sampling._gumbel(tl.load(u_ptr + offs, mask=offs < N)), mask=offs < N)
 
+    @triton.jit
+    def _gumbel_bound_kernel(u_ptr, out_ptr, N, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, sampling._gumbel(tl.load(u_ptr + offs, mask=offs < N), True), mask=offs < N)
+
 
 def batch(seed: int):
     """ROWS rows at the real vocab: a quarter greedy, seeds over the whole int64 range, scattered positions."""
@@ -47,6 +52,22 @@ def test_compiled_kernel_matches_torch_path_on_every_uniform_value():
     g = torch.empty_like(u)
     _gumbel_of_uniform_kernel[(triton.cdiv(u.numel(), 1024),)](u, g, u.numel(), BLOCK=1024)
     assert torch.equal(g.view(torch.int32), sampling._gumbel_torch(u).view(torch.int32))
+
+
+def test_the_fp32_bound_is_above_the_noise_on_every_uniform_value():
+    """The sampler takes the fp64 logs only where `_gumbel`'s BOUND (fp32 logs plus SCREEN) lets a lane reach the
+    best score so far: the bound is above the noise for every value u takes, by SCREEN within 1e-5 (so the
+    fp32 logs, compiled, are within 1e-5 of the fp64 ones, and the margin is not spent elsewhere)."""
+    xs = [torch.arange(0, 1 << 24)] + [torch.arange(1 << k, 2 << k, 1 << (k - 23)) for k in range(24, 31)]
+    u = sampling._uniform_torch(torch.cat(xs + [torch.tensor([(1 << 31) - 1])]).cuda())
+    g, bound = torch.empty_like(u), torch.empty_like(u)
+    _gumbel_of_uniform_kernel[(triton.cdiv(u.numel(), 1024),)](u, g, u.numel(), BLOCK=1024)
+    _gumbel_bound_kernel[(triton.cdiv(u.numel(), 1024),)](u, bound, u.numel(), BLOCK=1024)
+    finite = torch.isfinite(g)
+    assert torch.equal(finite, torch.isfinite(bound)) and (~finite).sum() == 1  # u = 0: -inf in both
+    gap = (bound - g)[finite].double()
+    screen = sampling.SCREEN.value
+    assert gap.min() >= screen - 1e-5 and gap.max() <= screen + 1e-5, (gap.min(), gap.max())
 
 
 @pytest.mark.parametrize("use_triton", [True, False])
