@@ -299,7 +299,7 @@ def config(pairs: int, experts: int) -> dict:
 
 # Up to this many (row, slot) pairs the plan may be one launch (`_plan_kernel`, for a decode step's few hundred
 # pairs), beyond it torch's ops. 0 for now: the one launch is off until it has run on a GPU, side by side with
-# the torch ops it replaces (the slice's decode profile: those ops and the MoE's other torch ops are ~315 launches,
+# the torch ops it replaces (the slice's decode profile: the MoE's launches beside its expert kernels are ~315,
 # 0.67 ms of a 9.4 ms step at 64 x 32k on an H200, the plan's sort 7 x 27 us; RESULTS.md). Its values are the torch
 # ops' on the CPU interpreter (tests/test_fp4_kernels.py); tests/gpu/test_fp4_gpu.py -k plan is owed.
 PLAN_PAIRS = 0
