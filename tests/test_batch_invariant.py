@@ -23,6 +23,10 @@ from model.config import BLOCK_SIZE, cdiv, preset
 from model.paged import ForwardBatch, PagedModel
 from model.transformer import Transformer
 
+# ATen's DEFAULT dispatch (no SIMD: a CPU below AVX2, or ATEN_CPU_CAPABILITY=default) has no SIMD/scalar split
+# in sigmoid, silu and softplus, so there those ops are batch-invariant without the mode
+POINTWISE_SPLIT = torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -56,7 +60,8 @@ def rows_alone_vs_batched(fn, x: torch.Tensor, picks: int = 24, seed: int = 0) -
 
 def test_default_ops_depend_on_the_batch_and_the_mode_ops_do_not():
     """The CPU facts model/invariant.py rests on: an fp32 GEMM and the SIMD/scalar split of sigmoid,
-    silu and softplus change a row's bits with the batch; the mode's versions do not."""
+    silu and softplus change a row's bits with the batch; the mode's versions do not. Under DEFAULT dispatch
+    the pointwise ops have no split, and the test checks that they are then invariant as they are."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(300, 256, generator=g), torch.randn(96, 256, generator=g)
     z = torch.randn(300, 6, generator=g) * 3
@@ -68,8 +73,12 @@ def test_default_ops_depend_on_the_batch_and_the_mode_ops_do_not():
              "silu": lambda t: invariant.pointwise(F.silu, t[:, :6]),
              "softplus": lambda t: invariant.pointwise(F.softplus, t[:, :6])}
     for name, fn in sites.items():
-        data = z if name in ("sigmoid", "silu", "softplus") else x
-        assert rows_alone_vs_batched(fn, data) > 0 or name == "linear bf16", f"{name} was invariant by default"
+        pointwise = name in ("sigmoid", "silu", "softplus")
+        data = z if pointwise else x
+        if pointwise and not POINTWISE_SPLIT:
+            assert rows_alone_vs_batched(fn, data) == 0, f"{name} depends on the batch under DEFAULT dispatch"
+        else:
+            assert rows_alone_vs_batched(fn, data) > 0 or name == "linear bf16", f"{name} was invariant by default"
         with invariant.mode():
             assert rows_alone_vs_batched(fn, data) == 0, name
 
@@ -247,7 +256,8 @@ def test_fp32_debug_mode_is_invariant_and_needs_the_pointwise_path(model, monkey
     """The fp32 debugging mode (ARCHITECTURE.md §6) in the batch-invariant mode: bitwise too. There no bf16
     rounding absorbs a last-ulp change, so the SIMD/scalar split of sigmoid/silu/softplus shows at the
     model level: with `pointwise` back to the plain call the check finds a difference (in bf16 the
-    rounding hid it in every scenario tried, though the op-level test shows the values differ)."""
+    rounding hid it in every scenario tried, though the op-level test shows the values differ). Under DEFAULT
+    dispatch there is no split to find, and the plain call gives the same bits."""
     m = Transformer(preset("micro"))
     m.load_state_dict(model.state_dict())
     m.to_fp32()
@@ -255,7 +265,9 @@ def test_fp32_debug_mode_is_invariant_and_needs_the_pointwise_path(model, monkey
     alone32 = target_logits(m, tokens, 100, True, None, 0, 0)
     assert torch.equal(target_logits(m, tokens, 100, True, 37, 8, 1), alone32)
     monkeypatch.setattr(invariant, "pointwise", lambda fn, x: fn(x))
-    assert not torch.equal(target_logits(m, tokens, 100, True, 37, 8, 1), alone32), "breaking pointwise went unnoticed"
+    same = torch.equal(target_logits(m, tokens, 100, True, 37, 8, 1), alone32)
+    assert same != POINTWISE_SPLIT, ("breaking pointwise went unnoticed" if POINTWISE_SPLIT
+                                     else "no split under DEFAULT dispatch, yet other bits")
 
 
 # ---- the engine: LLM(batch_invariant=True), ZOS on and off, chunked prefill, preemption ------------------
