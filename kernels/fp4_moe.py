@@ -213,57 +213,6 @@ if triton is not None:
                 tl.store(at, _round_bf16(acc, BF16), mask=live[None, :] & n_live[:, None])
 
     @triton.jit
-    def _plan_kernel(ids_ptr, pairs_ptr, tiles_ptr, slots_ptr, table_ptr, P, E, T, K: tl.constexpr, BM: tl.constexpr,
-                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                     CHUNK: tl.constexpr):
-        """`plan` in one program (a decode step's few hundred pairs): the counts by expert and each pair's rank
-        among the pairs of its expert before it (a stable sort), by comparing the pairs a chunk at a time; the
-        experts' row ranges and tile counts through `table_ptr` [4, BLOCK_E] (written, then read back at each
-        pair's or tile's expert after a barrier); each row's slots by its ids' order within the row."""
-        p = tl.arange(0, BLOCK_P)
-        live = p < P
-        e_p = tl.load(ids_ptr + p, mask=live, other=-1)  # [BLOCK_P]
-        ex = tl.arange(0, BLOCK_E)
-        counts = tl.zeros([BLOCK_E], tl.int64)
-        rank = tl.zeros([BLOCK_P], tl.int64)  # pairs of the same expert before p
-        for q0 in range(0, P, CHUNK):
-            q = q0 + tl.arange(0, CHUNK)
-            e_q = tl.load(ids_ptr + q, mask=q < P, other=-1)
-            counts += tl.sum((ex[:, None] == e_q[None, :]).to(tl.int64), axis=1)
-            rank += tl.sum(((e_p[:, None] == e_q[None, :]) & (q[None, :] < p[:, None])).to(tl.int64), axis=1)
-        ends = tl.cumsum(counts, axis=0)
-        n_tiles = (counts + BM - 1) // BM
-        tile_ends = tl.cumsum(n_tiles, axis=0)
-        tl.store(table_ptr + ex, ends - counts)  # the expert's first sorted row
-        tl.store(table_ptr + BLOCK_E + ex, ends)
-        tl.store(table_ptr + 2 * BLOCK_E + ex, tile_ends - n_tiles)  # its first tile
-        tl.store(table_ptr + 3 * BLOCK_E + ex, tl.where(ex < E, tile_ends, 1 << 62))
-        tl.debug_barrier()
-        position = tl.load(table_ptr + e_p, mask=live, other=0) + rank
-        tl.store(pairs_ptr + position, p.to(tl.int64), mask=live)
-        # each row's slots in ascending expert id: slot j of row n is the pair of n whose id has j smaller ones
-        j = tl.arange(0, BLOCK_K)
-        row_ids = tl.load(ids_ptr + (p // K)[:, None] * K + j[None, :], mask=live[:, None] & (j < K)[None, :],
-                          other=-1)
-        e_i, i = e_p[:, None], (p % K)[:, None]
-        before = (row_ids >= 0) & ((row_ids < e_i) | ((row_ids == e_i) & (j[None, :] < i)))  # stable, as argsort
-        tl.store(slots_ptr + (p // K) * K + tl.sum(before.to(tl.int64), axis=1), position, mask=live)
-        # tile t: its expert is the number of experts whose tiles end at or before t (the torch searchsorted)
-        t = tl.arange(0, BLOCK_T)
-        e_t = tl.zeros([BLOCK_T], tl.int64)
-        for c0 in range(0, BLOCK_E, CHUNK):
-            c = c0 + tl.arange(0, CHUNK)
-            ends_c = tl.load(table_ptr + 3 * BLOCK_E + c)
-            e_t += tl.sum((ends_c[None, :] <= t[:, None]).to(tl.int64), axis=1)
-        ec = tl.minimum(e_t, E - 1)
-        row0 = tl.load(table_ptr + ec) + (t - tl.load(table_ptr + 2 * BLOCK_E + ec)) * BM
-        end = tl.minimum(row0 + BM, tl.load(table_ptr + BLOCK_E + ec))
-        at = tiles_ptr + 3 * t
-        tl.store(at, tl.where(e_t < E, e_t, -1), mask=t < T)
-        tl.store(at + 1, row0, mask=t < T)
-        tl.store(at + 2, end, mask=t < T)
-
-    @triton.jit
     def _combine_kernel(out_ptr, slots_ptr, shared_ptr, y_ptr, D, TOPK: tl.constexpr, BF16: tl.constexpr,
                         BD: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
@@ -297,35 +246,12 @@ def config(pairs: int, experts: int) -> dict:
     return dict(BM=128, BN=64, U=2, num_warps=4, num_stages=3)  # the best of 11 at 8,192 rows
 
 
-# Up to this many (row, slot) pairs the plan may be one launch (`_plan_kernel`, for a decode step's few hundred
-# pairs), beyond it torch's ops. 0 for now: the one launch is off until it has run on a GPU, side by side with
-# the torch ops it replaces (the slice's decode profile: the MoE's launches beside its expert kernels are ~315,
-# 0.67 ms of a 9.4 ms step at 64 x 32k on an H200, the plan's sort 7 x 27 us; RESULTS.md). Its values are the torch
-# ops' on the CPU interpreter (tests/test_fp4_kernels.py); tests/gpu/test_fp4_gpu.py -k plan is owed.
-PLAN_PAIRS = 0
-
-
-def plan(ids: torch.Tensor, n_experts: int, BM: int, one_launch: bool | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def plan(ids: torch.Tensor, n_experts: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [N, k] -> (pairs [N·k]: pair indices n·k + slot sorted by expert; tiles int64 [T, 3]: (expert or -1,
     first sorted row, end row) for T = cdiv(N·k, BM) + min(E, N·k); slots [N, k]: each row's sorted rows in
-    ascending expert id). Device ops only, fixed shapes. Up to PLAN_PAIRS pairs on CUDA in one launch
-    (`one_launch` overrides it; it needs P within a few thousand: one program compares every pair with every
-    other), where the torch ops take ~15 (a sort among them); the same values."""
+    ascending expert id). Device ops only, fixed shapes."""
     N, k = ids.shape
     P, E = N * k, n_experts
-    if one_launch if one_launch is not None else (ids.is_cuda and P <= PLAN_PAIRS):
-        T = triton.cdiv(P, BM) + min(E, P)
-        pairs = torch.empty(P, dtype=torch.int64, device=ids.device)
-        tiles = torch.empty(T, 3, dtype=torch.int64, device=ids.device)
-        slots = torch.empty(N, k, dtype=torch.int64, device=ids.device)
-        block_e = max(32, triton.next_power_of_2(E))
-        table = torch.empty(4, block_e, dtype=torch.int64, device=ids.device)
-        if P:
-            _plan_kernel[(1,)](ids.contiguous(), pairs, tiles, slots, table, P, E, T, K=k, BM=BM,
-                               BLOCK_P=triton.next_power_of_2(P), BLOCK_E=block_e, BLOCK_T=triton.next_power_of_2(T),
-                               BLOCK_K=triton.next_power_of_2(k), CHUNK=32, num_warps=8)
-        return pairs, tiles, slots
     flat = ids.reshape(-1)
     pairs = torch.sort(flat, stable=True).indices
     counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))

@@ -129,21 +129,6 @@ def test_the_plan_tiles_every_pair_once_by_expert():
     assert torch.equal(position[pairs], torch.arange(pairs.numel()))
 
 
-@needs_interpreter
-@pytest.mark.parametrize("N,k,E,BM", [(40, 4, 16, 16), (64, 6, 384, 16), (1, 6, 384, 16), (7, 2, 4, 16),
-                                      (5, 6, 40, 64)])
-def test_the_plans_one_launch_gives_the_torch_ops_values(N, k, E, BM):
-    """plan's one launch (`_plan_kernel`, a decode step's pairs on CUDA) against its torch ops: the same pairs,
-    tiles (dead ones included) and slots, with one expert taking many rows, experts taking none, and a tile
-    bound past the pairs."""
-    g = torch.Generator().manual_seed(N * E)
-    scores = torch.rand(N, E, generator=g)
-    scores[:30, 3 % E] = 2.0  # one expert in up to 30 rows
-    ids = scores.topk(k, dim=-1).indices  # k distinct experts a row, in score order
-    for got, want in zip(fp4_moe.plan(ids, E, BM, one_launch=True), fp4_moe.plan(ids, E, BM, one_launch=False)):
-        assert torch.equal(got, want)
-
-
 def test_stacking_fp4_experts_keeps_the_parameters_as_views():
     """kernels/fp4_moe.py fp4_stacked: the experts' parameters become views into the stacked bytes (no second
     copy), with their names, shapes, dtypes and values; an in-place change is seen through the stack."""
