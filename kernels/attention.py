@@ -48,6 +48,28 @@ if triton is not None:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
     @triton.jit
+    def _gather_rows(kv_ptr, t, idx_row, k, d, L, b64, skv_b, skv_n, W, ring_row, sr_row, NB, tables_ptr, st_b,
+                     PER_BLOCK: tl.constexpr, pool_delta, sp_blk, sp_row, HAS_RING: tl.constexpr,
+                     HAS_POOL: tl.constexpr):
+        """The rows of index block [t, t + BLOCK) of a query's list, [BLOCK, D] bf16 (0 where the index is -1 or
+        past L), and which are valid. The KV row of index j of batch row b lies in one of three sources (see
+        `paged_sparse_attn`): j < W: the ring of b's state slot; W <= j < W + NB: kv[b, j - W]; beyond:
+        compressed entry e = j - W - NB in the paged pool, at (tables[b, e // PER_BLOCK], e % PER_BLOCK). The ring
+        and the pool are addressed from kv_ptr by their element distance (ring_delta, pool_delta), so each block
+        of indices is one gathered load."""
+        j = tl.load(idx_row + t + k, mask=t + k < L, other=-1).to(tl.int64)  # [BLOCK]
+        valid = j >= 0
+        offset = b64 * skv_b + (j - W) * skv_n  # [BLOCK] elements from kv_ptr
+        if HAS_RING:
+            offset = tl.where(j < W, ring_row + j * sr_row, offset)
+        if HAS_POOL:
+            e = j - W - NB
+            in_pool = valid & (e >= 0)
+            block = tl.load(tables_ptr + b64 * st_b + e // PER_BLOCK, mask=in_pool, other=0).to(tl.int64)
+            offset = tl.where(in_pool, pool_delta + block * sp_blk + (e % PER_BLOCK) * sp_row, offset)
+        return valid, tl.load(kv_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+
+    @triton.jit
     def _sparse_attn_kernel(q_ptr, sink_ptr, idx_ptr, out_ptr, scale, S, H, L,
                             sq_b, sq_s, sq_h, si_b, si_s, so_b, so_s, so_h,
                             kv_ptr, NB, skv_b, skv_n,
@@ -55,12 +77,7 @@ if triton is not None:
                             pool_delta, tables_ptr, st_b, PER_BLOCK: tl.constexpr, sp_blk, sp_row, freqs_ptr,
                             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
                             HAS_RING: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr,
-                            BF16: tl.constexpr):
-        # The KV row of index j of batch row b lies in one of three sources (see `paged_sparse_attn`):
-        # j < W: the ring of b's state slot; W <= j < W + NB: kv[b, j - W]; beyond: compressed entry
-        # e = j - W - NB in the paged pool, at (tables[b, e // PER_BLOCK], e % PER_BLOCK). The ring and the
-        # pool are addressed from kv_ptr by their element distance (ring_delta, pool_delta), so each
-        # block of indices is one gathered load.
+                            BF16: tl.constexpr, PREFETCH: tl.constexpr):
         pid = tl.program_id(0)  # one query token: row b, position s; program_id(1): its block of heads
         b, s = pid // S, pid % S
         b64 = b.to(tl.int64)
@@ -78,20 +95,17 @@ if triton is not None:
         den = tl.zeros([BLOCK_H], dtype=tl.float32)
         run_max = tl.full([BLOCK_H], -1e30, dtype=tl.float32)  # the sink is not in the max
         idx_row = idx_ptr + b64 * si_b + s * si_s
-        if HAS_RING:
-            ring_row = ring_delta + tl.load(slots_ptr + b).to(tl.int64) * sr_slot
+        ring_row = ring_delta + tl.load(slots_ptr + b).to(tl.int64) * sr_slot if HAS_RING else 0
+        args = (idx_row, k, d, L, b64, skv_b, skv_n, W, ring_row, sr_row, NB, tables_ptr, st_b, PER_BLOCK,
+                pool_delta, sp_blk, sp_row, HAS_RING, HAS_POOL)
+        if PREFETCH:
+            valid_next, rows_next = _gather_rows(kv_ptr, 0, *args)
         for t in range(0, L, BLOCK):
-            j = tl.load(idx_row + t + k, mask=t + k < L, other=-1).to(tl.int64)  # [BLOCK]
-            valid = j >= 0
-            offset = b64 * skv_b + (j - W) * skv_n  # [BLOCK] elements from kv_ptr
-            if HAS_RING:
-                offset = tl.where(j < W, ring_row + j * sr_row, offset)
-            if HAS_POOL:
-                e = j - W - NB
-                in_pool = valid & (e >= 0)
-                block = tl.load(tables_ptr + b64 * st_b + e // PER_BLOCK, mask=in_pool, other=0).to(tl.int64)
-                offset = tl.where(in_pool, pool_delta + block * sp_blk + (e % PER_BLOCK) * sp_row, offset)
-            rows = tl.load(kv_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK, D] bf16
+            if PREFETCH:  # this block's rows were loaded an iteration ahead; the next block's load now
+                valid, rows = valid_next, rows_next
+                valid_next, rows_next = _gather_rows(kv_ptr, t + BLOCK, *args)
+            else:
+                valid, rows = _gather_rows(kv_ptr, t, *args)
             scores = _mm(q, tl.trans(rows), BF16)  # [BLOCK_H, BLOCK] fp32
             scores = tl.where(valid[None, :], scores, float("-inf")) * scale
             prev = run_max
@@ -126,8 +140,8 @@ def config(H: int, D: int) -> dict:
     chosen keeps one block of all heads, and the bits of the earlier 4-warp form (tests/gpu). Chosen by
     benchmarks/bench_attention.py --sweep on an H200 (RESULTS.md)."""
     if D >= 256:  # the slice (64 x 512): 0.116 -> 0.065 ms decode (64 rows), 6.39 -> 2.81 ms prefill (8,192 queries)
-        return dict(BLOCK_H=64, num_warps=8, num_stages=2)
-    return dict(BLOCK_H=max(16, min(64, triton.next_power_of_2(H))), num_warps=4, num_stages=3)
+        return dict(BLOCK_H=64, num_warps=8, num_stages=2, PREFETCH=False)
+    return dict(BLOCK_H=max(16, min(64, triton.next_power_of_2(H))), num_warps=4, num_stages=3, PREFETCH=True)
 
 
 def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.Tensor, kv: torch.Tensor,

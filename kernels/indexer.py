@@ -16,6 +16,8 @@ Between its projections and its top-k, and the index list after it: where a deco
   other bits in ~0.002% of the scores). Under 16 queries a row (decode), a
   program takes one query and puts its heads, 16 at a time, on the rows of the same dot, then adds them in
   head order: the same bits (tests/gpu), without the 15 empty query rows of a decode step's block.
+  Given the block tables, both forms read the kv source's keys where they lie in its paged pool (as sparse
+  attention reads its entries), not a streamed copy of them, and only a query's visible entries (j < V(p)).
 - `topk_entries`: model/attention.py's `topk_entries` under the "lower-index" tie rule, a program per query:
   each score's int32 order key (the fp32 bits with negatives' magnitude flipped, -0.0 made +0.0, as `_top`;
   of bf16 scores only the top 16 bits, which carry all of the order), the k-th largest key by bisection over
@@ -43,15 +45,27 @@ CHUNK_ROWS = 4096  # from this many queries a row, a prefill chunk's form (`scor
 if triton is not None:
 
     @triton.jit
-    def _index_scores_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, S, E, H,
-                             sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, so_b, so_s,
-                             D: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr, BF16: tl.constexpr):
+    def _keys(k_ptr, tables_ptr, b, e, live, sk_b, sk_e, st_b, D: tl.constexpr, PER_BLOCK: tl.constexpr):
+        """Entries e of row b's index keys, [D, BE] bf16, 0 from `live` on (never read): keys[b, e], or with
+        PER_BLOCK (a paged pool, `index_scores`'s block_tables) pool[tables[b, e // PER_BLOCK], e % PER_BLOCK]."""
+        if PER_BLOCK:
+            block = tl.load(tables_ptr + b * st_b + e // PER_BLOCK, mask=e < live, other=0).to(tl.int64)
+            rows = block * sk_b + (e % PER_BLOCK).to(tl.int64) * sk_e
+        else:
+            rows = b * sk_b + e.to(tl.int64) * sk_e
+        return tl.load(k_ptr + rows[None, :] + tl.arange(0, D)[:, None], mask=(e < live)[None, :], other=0.0)
+
+    @triton.jit
+    def _index_scores_kernel(q_ptr, w_ptr, k_ptr, tables_ptr, vis_ptr, out_ptr, S, E, H,
+                             sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, st_b, so_b, so_s,
+                             D: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr, BF16: tl.constexpr,
+                             PER_BLOCK: tl.constexpr):
         b = tl.program_id(2).to(tl.int64)
         s = tl.program_id(0) * BS + tl.arange(0, BS)
         e = tl.program_id(1) * BE + tl.arange(0, BE)
         d = tl.arange(0, D)
-        keys = tl.load(k_ptr + b * sk_b + e.to(tl.int64)[None, :] * sk_e + d[:, None],
-                       mask=(e < E)[None, :], other=0.0)  # [D, BE] bf16
+        visible = tl.load(vis_ptr + b * S + s, mask=s < S, other=0)
+        keys = _keys(k_ptr, tables_ptr, b, e, tl.minimum(tl.max(visible), E), sk_b, sk_e, st_b, D, PER_BLOCK)
         acc = tl.zeros((BS, BE), dtype=tl.float32)
         for h in range(0, H):
             q = tl.load(q_ptr + b * sq_b + s.to(tl.int64)[:, None] * sq_s + h * sq_h + d[None, :],
@@ -65,7 +79,6 @@ if triton is not None:
                 dot = tl.dot(q.to(tl.float32), keys.to(tl.float32), input_precision="tf32").to(tl.bfloat16).to(tl.float32)
             w = tl.load(w_ptr + b * sw_b + s.to(tl.int64) * sw_s + h, mask=s < S, other=0.0).to(tl.float32)
             acc += (tl.maximum(dot, 0.0) * w[:, None]).to(tl.bfloat16).to(tl.float32)
-        visible = tl.load(vis_ptr + b * S + s, mask=s < S, other=0)
         score = tl.where(e[None, :] < visible[:, None], acc, -float("inf")).to(tl.bfloat16)
         tl.store(out_ptr + b * so_b + s.to(tl.int64)[:, None] * so_s + e[None, :], score,
                  mask=(s < S)[:, None] & (e < E)[None, :])
@@ -95,17 +108,17 @@ if triton is not None:
         return acc + r8 + r9 + r10 + r11 + r12 + r13 + r14 + r15
 
     @triton.jit
-    def _index_scores_row_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, S, E, H,
-                                 sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, so_b, so_s,
-                                 D: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr):
+    def _index_scores_row_kernel(q_ptr, w_ptr, k_ptr, tables_ptr, vis_ptr, out_ptr, S, E, H,
+                                 sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, st_b, so_b, so_s,
+                                 D: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr, PER_BLOCK: tl.constexpr):
         tl.static_assert(BH == 16, "_add_rows_in_order takes 16 heads at a time")
         # one query against a block of entries, its heads BH at a time on the rows of the same [BH, D] x [D, BE]
         # dot as _index_scores_kernel's (an MMA row's sums are its own), each head then added in head order
         b, s = tl.program_id(2).to(tl.int64), tl.program_id(0).to(tl.int64)
         e = tl.program_id(1) * BE + tl.arange(0, BE)
         d, hb = tl.arange(0, D), tl.arange(0, BH)
-        keys = tl.load(k_ptr + b * sk_b + e.to(tl.int64)[None, :] * sk_e + d[:, None],
-                       mask=(e < E)[None, :], other=0.0)  # [D, BE] bf16
+        visible = tl.load(vis_ptr + b * S + s)
+        keys = _keys(k_ptr, tables_ptr, b, e, tl.minimum(visible, E), sk_b, sk_e, st_b, D, PER_BLOCK)
         acc = tl.zeros((BE,), dtype=tl.float32)
         for h0 in range(0, H, BH):
             h = h0 + hb
@@ -114,7 +127,6 @@ if triton is not None:
             w = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=h < H, other=0.0).to(tl.float32)
             term = (tl.maximum(dot, 0.0) * w[:, None]).to(tl.bfloat16).to(tl.float32)  # [BH, BE]
             acc = _add_rows_in_order(acc, term, BE)
-        visible = tl.load(vis_ptr + b * S + s)
         score = tl.where(e < visible, acc, -float("inf")).to(tl.bfloat16)
         tl.store(out_ptr + b * so_b + s * so_s + e, score, mask=e < E)
 
@@ -243,28 +255,32 @@ def scores_config(S: int, device: torch.device, batch_invariant: bool = False) -
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                 batch_invariant: bool = False, cfg: dict | None = None) -> torch.Tensor:
+                 batch_invariant: bool = False, cfg: dict | None = None, block_tables: torch.Tensor | None = None,
+                 n_entries: int = 0) -> torch.Tensor:
     """q bf16 [B,S,H,D] (D a power of two, >= 16), w bf16 [B,S,H], keys bf16 [B,E,D] (any strides with a unit
-    last one), visible int [B,S] -> scores bf16 [B,S,E] (model/attention.py `index_scores`). `cfg` overrides
-    `scores_config` (benchmarks, tests)."""
+    last one), visible int [B,S] -> scores bf16 [B,S,E] (model/attention.py `index_scores`). With block_tables
+    [B, nb], keys is a kv source's paged pool [blocks, per_block, D], read in place: entry j of row b at
+    (block_tables[b, j // per_block], j % per_block), E = n_entries (no copy of the keys, model/paged.py `stream`).
+    Only entries below a query's V(p) are read. `cfg` overrides `scores_config` (benchmarks, tests)."""
     B, S, H, D = q.shape
-    E = keys.size(1)
+    E = keys.size(1) if block_tables is None else n_entries
     out = torch.empty(B, S, E, dtype=q.dtype, device=q.device)
     if out.numel():
         q = q if q.stride(-1) == 1 else q.contiguous()
         w = w if w.stride(-1) == 1 else w.contiguous()
         keys = keys if keys.stride(-1) == 1 else keys.contiguous()
         vis = visible.to(torch.int32).contiguous()
+        tables, per_block = (keys, 0) if block_tables is None else (block_tables.contiguous(), keys.size(1))
         strides = (q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), keys.stride(0), keys.stride(1),
-                   out.stride(0), out.stride(1))
+                   tables.stride(0), out.stride(0), out.stride(1))
         if S < BLOCK_S:  # decode: a program per query, its heads on the dot's rows (the same scores, 16x less work)
-            _index_scores_row_kernel[(S, triton.cdiv(E, BLOCK_E), B)](q, w, keys, vis, out, S, E, H, *strides, D=D,
-                                                                      BH=BLOCK_S, BE=BLOCK_E)
+            _index_scores_row_kernel[(S, triton.cdiv(E, BLOCK_E), B)](q, w, keys, tables, vis, out, S, E, H, *strides,
+                                                                      D=D, BH=BLOCK_S, BE=BLOCK_E, PER_BLOCK=per_block)
         else:
             cfg = dict(cfg or scores_config(S, q.device, batch_invariant))
             BS, BE = cfg.pop("BS"), cfg.pop("BE")
             _index_scores_kernel[(triton.cdiv(S, BS), triton.cdiv(E, BE), B)](
-                q, w, keys, vis, out, S, E, H, *strides, D=D, BS=BS, BE=BE, **cfg)
+                q, w, keys, tables, vis, out, S, E, H, *strides, D=D, BS=BS, BE=BE, PER_BLOCK=per_block, **cfg)
     return out
 
 

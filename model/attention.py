@@ -14,7 +14,7 @@ from torch import nn
 from kernels import attention as attention_kernel, indexer as indexer_kernel, latent as latent_kernel, \
     norm as norm_kernel, output as output_kernel, quant as quant_kernel, rope as rope_kernel
 from model import invariant  # batch-invariant mode hooks (issue #11)
-from model.config import ModelArgs
+from model.config import ModelArgs, cdiv
 from model import quant as model_quant
 from model.rope import apply_rope
 
@@ -149,13 +149,23 @@ class Indexer(nn.Module):
         return q, self.weights_proj(x) * self.weight_scale
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def stream(pool: torch.Tensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:
+    """A row's first n_entries entries of a paged pool [blocks, per_block, D], gathered through its block table
+    [B, nb]: [B, n, D] (model/paged.py's KV blocks)."""
+    return pool[block_tables[:, :cdiv(n_entries, pool.size(1))]].flatten(1, 2)[:, :n_entries]
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                 block_tables: torch.Tensor | None = None, n_entries: int = 0) -> torch.Tensor:
     """score(p, j) = bf16(Σ_h bf16(relu(bf16(q_h·k_j))·w_h)) (spec §2.7), -inf where j >= V(p).
 
     q [B,S,Hi,Di], w [B,S,Hi], keys [B,E,Di] -> [B,S,E] bf16; visible: [B,S] entry counts V(p).
+    With block_tables, keys is a paged pool and E = n_entries (`stream`).
     """
-    if USE_KERNELS and indexer_kernel.applies_scores(q, keys):  # CUDA: the lines below in one launch
-        return indexer_kernel.index_scores(q, w, keys, visible, batch_invariant=invariant.enabled())
+    if USE_KERNELS and indexer_kernel.applies_scores(q, keys):  # CUDA: the lines below in one launch, keys in place
+        return indexer_kernel.index_scores(q, w, keys, visible, batch_invariant=invariant.enabled(),
+                                           block_tables=block_tables, n_entries=n_entries)
+    keys = keys if block_tables is None else stream(keys, block_tables, n_entries)
     d = invariant.index_scores_dot(q, keys)  # einsum bshd,btd->bsht
     score = invariant.reduce_sum(d.relu_().mul_(w.unsqueeze(-1)), 2)  # .sum(dim=2) outside the mode; in place:
     entries = torch.arange(keys.size(1), device=keys.device)  # the same bits, 2-4x faster on a long CPU prefill
@@ -326,9 +336,11 @@ def attention_list(window: torch.Tensor, window_len: torch.Tensor, compressed: t
     return torch.where(j < wl + (cl if K else 0), listed, -1)
 
 
-def select_entries(args: ModelArgs, block, x, qr, keys, positions, freqs, n_entries: int, shared: dict) -> torch.Tensor:
+def select_entries(args: ModelArgs, block, x, qr, keys, positions, freqs, n_entries: int, shared: dict,
+                   block_tables: torch.Tensor | None = None) -> torch.Tensor:
     """An index source's top-k compressed entries per query (spec §2.7, §7.3b): score against its kv
-    source's index keys [B,E,Di], candidate blocks at the candidate source, level-2 masking after it.
+    source's index keys [B,E,Di] (or its paged pool, through block_tables: `index_scores`), candidate blocks at
+    the candidate source, level-2 masking after it.
     `shared["candidates"]` carries the mask to later index sources of the same forward.
     Returns entry ids [B,S,min(K,E)] ascending, -1 padded at the end."""
     layer = block.layer
@@ -336,7 +348,7 @@ def select_entries(args: ModelArgs, block, x, qr, keys, positions, freqs, n_entr
         return torch.empty(*x.shape[:2], 0, dtype=torch.long, device=x.device)
     q, w = block.attn.indexer.queries(x, qr, freqs)
     visible = (positions + 1) // block.attn.ratio  # V(p): groups whose last token is <= p
-    scores = index_scores(q, w, keys, visible)
+    scores = index_scores(q, w, keys, visible, block_tables, n_entries)
     if layer == args.candidate_source_layer:
         shared["candidates"] = select_candidate_blocks(scores, visible, args.candidate_topk_blocks,
                                                        args.candidate_block_size, args.topk_tie_rule)

@@ -25,10 +25,10 @@ import torch
 
 from kernels import attention as attention_kernel, indexer as indexer_kernel, paged as paged_kernel
 from kernels.attention import paged_sparse_attn
-from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, use_attention_kernel, \
+from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, stream, use_attention_kernel, \
     use_fused, use_kernels, window_index
 from model import invariant  # batch-invariant mode (issue #11)
-from model.config import BLOCK_SIZE, cdiv
+from model.config import BLOCK_SIZE
 from model.engram import engram_history, hash_ids, start_history
 from model.hc import identity_pre_mix
 from model.transformer import Block, Transformer
@@ -185,11 +185,9 @@ class PagedModel:
             ckv_pool, key_pool = self.entries[kv_source]
             if args.is_kv_source(layer):
                 self.compress(block, x, step, cache)
-                # the source's index keys are final for this forward once it has written its own
-                cache["keys", kv_source] = self.stream(key_pool, b.block_tables, n_entries)
-            if args.is_index_source(layer):
-                keys = cache["keys", kv_source]
-                shared["topk"] = select_entries(args, block, x, qr, keys, step.positions, freqs, n_entries, shared)
+            if args.is_index_source(layer):  # the source's keys, final since it wrote its own, read through the tables
+                shared["topk"] = select_entries(args, block, x, qr, key_pool, step.positions, freqs, n_entries, shared,
+                                                b.block_tables)
                 capture(layer, "topk", shared["topk"])
                 decode_order = invariant.window_decode_order(b.decode)  # b.decode outside the mode
                 full_window, topk = invariant.full_window(decode_order), shared["topk"]
@@ -221,7 +219,7 @@ class PagedModel:
                                      attn.softmax_scale, freqs=q_freqs)
         sources = [ring[b.state_slots], kv]
         if ckv_pool is not None:
-            sources.append(self.stream(ckv_pool, b.block_tables, b.context_len // attn.ratio))
+            sources.append(stream(ckv_pool, b.block_tables, b.context_len // attn.ratio))
         return sparse_attn(q, torch.cat(sources, dim=1), attn.attn_sink, idx, attn.softmax_scale)
 
     def window_addresses(self, step: _Step) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -243,13 +241,6 @@ class PagedModel:
     def write_ring(self, layer: int, kv: torch.Tensor, step: _Step, cache: dict) -> None:
         """Each row's last min(n, W) window latents go to their ring positions p % W (`window_addresses`)."""
         self.ring[layer][cache["ring_at"]] = kv
-
-    @staticmethod
-    def stream(pool: torch.Tensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:
-        """A row's first n_entries entries of one stream, gathered through its block table: [B, n, D]."""
-        per_block = pool.size(1)
-        n_blocks = cdiv(n_entries, per_block)
-        return pool[block_tables[:, :n_blocks]].flatten(1, 2)[:, :n_entries]
 
     def compress(self, block: Block, x: torch.Tensor, step: _Step, cache: dict) -> None:
         """A kv source's new entries (spec §7.3a): pool every group that closes in this chunk, with its

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from model.attention import stream
 from tracing.execute import (load_recorded_model, margin, platform_note, recorded_batches, recorded_tokens,
                              request_tokens)
 from tracing.reader import Cut, TraceError, TraceFile
@@ -495,8 +496,8 @@ def _first_module(weights, lag: _Replay, row, suspect: _Suspect, got: _Tap, ref:
             n = (p + 1) // r
             for pool, name, module in zip(lag.model.entries[L], ("compressed_kv_all", "index_keys_all"),
                                           ("compressor", "index keys")):
-                stages.append((module, lag.model.stream(pool, torch.tensor([row.block_table], device=pool.device),
-                                                        n)[0].float().cpu(), ref.out[(L, name)][:n]))
+                stages.append((module, stream(pool, torch.tensor([row.block_table], device=pool.device),
+                                              n)[0].float().cpu(), ref.out[(L, name)][:n]))
         stages += [(name, None, None) for name, _ in CHOICES[:2]]
         stages += [("sparse attention", *at(L, "sparse_attn")), ("attention output", *at(L, "attn_out")),
                    ("MoE input (hyper-connection post and pre-mix)", *at(L, "ffn_in")),

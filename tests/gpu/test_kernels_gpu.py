@@ -229,7 +229,8 @@ def paged_sources(g, B: int, S: int, H: int, D: int, W: int = 128, per_block: in
 @pytest.mark.parametrize("S", [1, 150])
 def test_paged_sparse_attention_reads_ring_chunk_and_blocks_in_place(S):
     """The paged form (window ring by state slot, this chunk's latents, compressed entries through the block
-    table) gives the bits of the plain kernel over the gathered, concatenated copy of the same rows."""
+    table) gives the bits of the plain kernel over the gathered, concatenated copy of the same rows, with each
+    block's rows loaded an iteration ahead (PREFETCH, the narrow heads' form) or not."""
     from kernels.attention import paged_sparse_attn, sparse_attn
 
     B, H, D = 5, 4, 128
@@ -239,6 +240,9 @@ def test_paged_sparse_attention_reads_ring_chunk_and_blocks_in_place(S):
     got = paged_sparse_attn(q, ring, slots, kv, pool, tables, sink, idx, D ** -0.5)
     gathered = torch.cat([ring[slots], kv, pool[tables].flatten(1, 2)], dim=1)
     assert torch.equal(got, sparse_attn(q, gathered, sink, idx, D ** -0.5))
+    for prefetch in (False, True):  # each block's rows loaded an iteration ahead or not: the same bits
+        cfg = dict(PREFETCH=prefetch)
+        assert torch.equal(paged_sparse_attn(q, ring, slots, kv, pool, tables, sink, idx, D ** -0.5, cfg), got)
 
 
 @pytest.mark.parametrize("S, H, D, R", [(1, 4, 128, 32), (150, 4, 128, 32), (1, 64, 512, 64), (33, 64, 512, 64)])
@@ -640,6 +644,26 @@ def test_index_scores_prefill_chunk_form_matches_the_torch_path_and_the_invarian
     tf32 = dict(BS=indexer.BLOCK_S, BE=indexer.BLOCK_E, BF16=False)  # the form below CHUNK_ROWS, forced
     assert torch.equal(invariant, indexer.index_scores(q, w, keys, visible, cfg=tf32))
     assert torch.equal(invariant[:, 32:48], indexer.index_scores(q[:, 32:48], w[:, 32:48], keys, visible[:, 32:48]))
+
+
+@pytest.mark.parametrize("S,per_block", [(1, 128), (3, 64), (33, 128), (4096, 128)])
+def test_index_scores_read_paged_keys_in_place_to_the_bits_of_the_copy(S, per_block):
+    """Keys read through the block tables (model/paged.py's decode and prefill) give the bits of the same kernel
+    over `stream`'s copy, in the decode row form (S < 16), the 16-query blocks and the prefill chunk's form;
+    blocks of 128 (ratio 1) and 64 (ratio 2) entries, tables shuffled, rows of different lengths."""
+    from kernels import indexer
+    from model.attention import stream
+
+    g = torch.Generator(device="cuda").manual_seed(S)
+    B, H, D, E, n_blocks = 3, 64, 128, 700, 40
+    pool = torch.randn(n_blocks, per_block, D, generator=g, device="cuda").bfloat16()
+    tables = torch.randperm(n_blocks, generator=g, device="cuda")[:B * 12].view(B, 12)
+    q = torch.randn(B, S, H, D, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(B, S, H, generator=g, device="cuda") * 0.1).bfloat16()
+    visible = torch.randint(0, E + 1, (B, S), generator=g, device="cuda")
+    visible[1] = visible[1].clamp(max=300)
+    want = indexer.index_scores(q, w, stream(pool, tables, E), visible)
+    assert torch.equal(indexer.index_scores(q, w, pool, visible, block_tables=tables, n_entries=E), want)
 
 
 def test_moe_combine_kernel_compiled_rounds_to_bf16_as_torch_does():
