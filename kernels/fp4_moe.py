@@ -31,9 +31,11 @@ FP4 decode, by bit patterns (the default): each byte becomes one 32-bit word hol
 bit patterns (the magnitude bits at bf16 bits 6-8, the sign at bit 15: the e2m1 value times 2^-126 exactly,
 code 1's 0.5 landing on the bf16 subnormal 2^-127), then one bf16 multiply by 2^(s-1) for the group's e8m0
 byte s (exact: a power of two; finite up to s = 128, BIT_DECODE_MAX_SCALE, which moe_forward checks once).
-About 8 instructions a byte; the e4m3 decode (cfg B=0: the codes' bits onto e4m3 bits, a value times 2^-6,
-through kernels/fp8_gemm.py's e4m3 decode, then an fp32 multiply and a bf16 cast) took about 23, and the
-kernel is bound by issuing them: 1.5x longer at 64 decode rows on an H200 (benchmarks/RESULTS.md). An
+About 6 instructions a byte (a shared-memory load, two multiplies, two masks, the scale's multiply; the word's
+halves become the two bf16 values through a PTX register split, valid on every architecture); the e4m3 decode
+(cfg B=0: the codes' bits onto e4m3 bits, a value times 2^-6, through kernels/fp8_gemm.py's e4m3 decode, then an
+fp32 multiply and a bf16 cast) took about 23, and the kernel is bound by issuing them: 1.5x longer at 64 decode
+rows on an H200 (benchmarks/RESULTS.md). An
 iteration's U scales a row are one word (U divides the groups of both GEMMs; it is halved until it does).
 K is walked one scale group (32 values, 16 bytes a row) a dot. The decoded weight is the dot's first
 operand, which a tensor-core dot takes from registers (wgmma on sm_90; Triton picks the instruction for each
@@ -61,23 +63,25 @@ BIT_DECODE_MAX_SCALE = 128  # e8m0 byte: the bit decode's multiplier 2^(s-1) is 
 if triton is not None:
 
     @triton.jit
-    def _w_group(w_base, s, w_rows, w_live, gi, g_end, KP, HW_FP8: tl.constexpr, BN: tl.constexpr,
+    def _w_group(w_base, s, w_rows, w_live, gi, KP, HW_FP8: tl.constexpr, BN: tl.constexpr,
                  BF16: tl.constexpr, BITS: tl.constexpr):
         """W's rows w_rows [BN] at scale group gi (K values 32·gi to 32·gi + 31: 16 packed bytes a row) as
-        their values [BN, 32], exact (bf16 compiled, fp32 under the interpreter), zero from group g_end on:
+        their values [BN, 32], exact (bf16 compiled, fp32 under the interpreter), zero in rows not w_live:
         codes at w_base [., KP]; s [BN] int32 the group's e8m0 scales."""
-        live = w_live & (gi < g_end)
         jj = gi * 16 + tl.arange(0, 16)
-        b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=live[:, None], other=0).to(tl.int32)
+        b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=w_live[:, None], other=0).to(tl.int32)
         if BITS:
             # A byte's two codes as two bf16 bit patterns in one word, low nibble (the even K value) in the low
             # half: the magnitude bits c&7 at bf16 bits 6-8 (exponent field e, mantissa m) make 2^(e-127)(1+m/2)
             # = |v|·2^-126 for e >= 1 and the subnormal m·2^-127 = |v|·2^-126 for e = 0; the sign at bit 15.
             pair = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -0x7FFF8000)  # 0x80008000
-            if BF16:
-                v = tl.reshape(tl.join((pair & 0xFFFF).to(tl.int16), (pair >> 16).to(tl.int16)), (BN, 32))
+            if BF16:  # the word's halves as two bf16 values: a register's two halves, no instruction (a join of
+                # masked and shifted int16s cost two byte permutes a byte, 64 of an iteration's 472 instructions)
+                lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair],
+                                                   dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+                v = tl.reshape(tl.join(lo, hi), (BN, 32))
                 scale = ((s + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s-1): s <= 128
-                w = v.to(tl.bfloat16, bitcast=True) * scale[:, None]  # a power of two: exact
+                w = v * scale[:, None]  # a power of two: exact
             else:
                 v = tl.reshape(tl.join(pair << 16, pair & -65536), (BN, 32))  # the same patterns as fp32's high halves
                 w = v.to(tl.float32, bitcast=True) * _e8m0_values(s, 126)[:, None]
@@ -88,19 +92,18 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _scales(s_base, w_rows, w_live, g0, g_end, G, U: tl.constexpr):
+    def _scales(s_base, w_rows, w_live, g0, G, U: tl.constexpr):
         """The e8m0 scales of rows w_rows [BN] at groups g0 to g0 + U - 1 as one word a row (group g0 + u in
-        byte u), one load; zero from group g_end on (its codes are masked to zero). U divides G and g0, so a word
-        is aligned and inside its row."""
+        byte u), one load. U divides G and g0, so a word is aligned and inside its row."""
         word = tl.int32 if U == 4 else (tl.int16 if U == 2 else (tl.int64 if U == 8 else tl.uint8))
         at = (s_base + w_rows * G + g0).to(tl.pointer_type(word))
-        return tl.load(at, mask=w_live & (g0 < g_end), other=0)
+        return tl.load(at, mask=w_live, other=0)
 
     @triton.jit
-    def _x_group_t(x_ptr, x_rows, live, gi, g_end, K):
-        """Rows x_rows [BM] of x bf16 [., K] at scale group gi, transposed: [32, BM]; zero from group g_end on."""
+    def _x_group_t(x_ptr, x_rows, live, gi, K):
+        """Rows x_rows [BM] of x bf16 [., K] at scale group gi, transposed: [32, BM]; zero in rows not live."""
         kk = gi * 32 + tl.arange(0, 32)
-        return tl.load(x_ptr + x_rows[None, :] * K + kk[:, None], mask=live[None, :] & (gi < g_end), other=0.0)
+        return tl.load(x_ptr + x_rows[None, :] * K + kk[:, None], mask=live[None, :], other=0.0)
 
     @triton.jit
     def _fp4_tile_dot(acc, x_ptr, x_rows, live, K, w_base, s_base, w_rows, w_live, groups,
@@ -110,16 +113,17 @@ if triton is not None:
         dot's first operand, decoded in registers (where a tensor-core dot can take it without a trip through
         shared memory), x's rows its second. K is walked one scale group (32 values) a dot, U groups an
         iteration; the program's part is `groups` groups from program_id(2)·groups (all of K unsplit). An
-        iteration's scales are one word a row (`_scales`)."""
+        iteration's scales are one word a row (`_scales`). U divides G and `groups` (routed_experts), so every
+        group an iteration names lies inside the part: the loads take no mask along K."""
         KP, G = K // 2, K // 32
         g_lo = tl.program_id(2) * groups
         g_hi = tl.minimum(g_lo + groups, G)
         for g0 in range(g_lo, g_hi, U):
-            scales = _scales(s_base, w_rows, w_live, g0, g_hi, G, U)
+            scales = _scales(s_base, w_rows, w_live, g0, G, U)
             for du in tl.static_range(U):
                 s = (scales.to(tl.int64) >> (8 * du)).to(tl.int32) & 255  # byte du: group g0 + du
-                acc = _dot(_w_group(w_base, s, w_rows, w_live, g0 + du, g_hi, KP, HW_FP8, BN, BF16, BITS),
-                           _x_group_t(x_ptr, x_rows, live, g0 + du, g_hi, K), acc, BF16)
+                acc = _dot(_w_group(w_base, s, w_rows, w_live, g0 + du, KP, HW_FP8, BN, BF16, BITS),
+                           _x_group_t(x_ptr, x_rows, live, g0 + du, K), acc, BF16)
         return acc
 
     @triton.jit
@@ -239,8 +243,8 @@ def config(pairs: int, experts: int) -> dict:
     took 1-44% longer with S = 2 to 8, routed uniformly or to 32 experts (benchmarks/RESULTS.md). And B=0
     decodes the codes through e4m3 instead of by bit patterns (`_w_group`; the same values, more instructions:
     moe_forward's path for scales past BIT_DECODE_MAX_SCALE)."""
-    if pairs <= 4 * experts:  # decode: the best of 12 at 1, 16 and 64 rows (RESULTS.md, H200)
-        return dict(BM=16, BN=64, U=4, num_warps=4, num_stages=3)
+    if pairs <= 4 * experts:  # decode: the best of 11 at 16 and 64 rows, 1-6% before BN 64 on 4 warps (RESULTS, H100)
+        return dict(BM=16, BN=128, U=4, num_warps=8, num_stages=3)
     if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 11 at 2,048 rows
         return dict(BM=64, BN=128, U=2, num_warps=4, num_stages=3)
     return dict(BM=128, BN=64, U=2, num_warps=4, num_stages=3)  # the best of 11 at 8,192 rows
