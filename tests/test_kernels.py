@@ -304,8 +304,9 @@ def test_swiglu_route_kernel_matches_the_grouped_torch_path(moe):
 def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
     """The paged kernel reads a row's window ring (by state slot), its chunk's latents and its compressed
     entries (through the block table) where they lie: the same result as the plain kernel over their
-    gathered copy, with each block's rows loaded an iteration ahead (PREFETCH) or not. (The interpreter's bf16 dot is not faithful, so the numerics against the torch path are
-    checked compiled, in tests/gpu; here both sides run the same interpreted arithmetic, the dots in fp32.)"""
+    gathered copy, with each block's rows loaded an iteration ahead (PREFETCH) or not. (The interpreter's bf16
+    dot is not faithful, so the numerics against the torch path are checked compiled, in tests/gpu; here both
+    sides run the same interpreted arithmetic, the dots in fp32.)"""
     from kernels.attention import paged_sparse_attn, sparse_attn
 
     B, H, D, W, per_block, n_blocks, L = 3, 2, 16, 8, 4, 12, 150  # three blocks of 64 indices, the last part-full
@@ -535,14 +536,14 @@ def test_index_scores_kernel_gives_the_scores_of_the_torch_path():
 def test_index_scores_kernel_reads_paged_keys_in_place():
     """With block tables, `index_scores` reads a kv source's keys where they lie in the paged pool (no streamed
     copy, model/paged.py): the scores of the torch path over `stream`'s copy, for blocks of 16 entries (four to
-    an entry block of the kernel), tables in shuffled order and one row shorter than the other."""
+    an entry block of the kernel), tables in shuffled order (a strided view) and one row shorter than the other."""
     from kernels.indexer import index_scores as kernel_scores
     from model import attention
 
     g = torch.Generator().manual_seed(1)
     B, H, D, E, per_block, n_blocks = 2, 4, 16, 70, 16, 12
     pool = torch.randint(-1, 2, (n_blocks, per_block, D), generator=g).bfloat16()
-    tables = torch.randperm(n_blocks, generator=g)[:2 * 5].view(B, 5)
+    tables = torch.randperm(n_blocks, generator=g)[:2 * 6].view(B, 6)[:, :5]  # a strided view, as a step's tables are
     for S in (3, 17):
         q = torch.randint(-1, 2, (B, S, H, D), generator=g).bfloat16()
         w = (2 ** torch.randint(0, 2, (B, S, H), generator=g)).bfloat16()

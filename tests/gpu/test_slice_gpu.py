@@ -2,7 +2,8 @@
 few prompts long enough for the top-k (512 entries) to bind at every compressed layer, then `check` of that
 trace re-executes to identical tokens. The weights (~57 GB: FP4 experts, FP8 dense) are made on the GPU from
 seed 0 at each load (model/slice.py), so record and check each build them and must agree on the digest.
-Needs an 80 GB card (an H100's 79.2 GiB is enough); tests/test_slice.py runs the same path at narrow widths on the CPU."""
+Needs an 80 GB card (an H100's 79.2 GiB is enough); tests/test_slice.py runs the same path at narrow widths on
+the CPU."""
 import gc
 import sys
 from pathlib import Path
