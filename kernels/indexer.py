@@ -270,6 +270,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
         w = w if w.stride(-1) == 1 else w.contiguous()
         keys = keys if keys.stride(-1) == 1 else keys.contiguous()
         vis = visible.to(torch.int32).contiguous()
+        # without block tables the kernel never reads tables_ptr (PER_BLOCK 0): keys stand in for it
         tables, per_block = (keys, 0) if block_tables is None else (block_tables.contiguous(), keys.size(1))
         strides = (q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), keys.stride(0), keys.stride(1),
                    tables.stride(0), out.stride(0), out.stride(1))

@@ -185,12 +185,15 @@ class PagedModel:
             ckv_pool, key_pool = self.entries[kv_source]
             if args.is_kv_source(layer):
                 self.compress(block, x, step, cache)
-            if args.is_index_source(layer):  # the source's keys, final since it wrote its own, read through the tables
-                shared["topk"] = select_entries(args, block, x, qr, key_pool, step.positions, freqs, n_entries, shared,
-                                                b.block_tables)
-                capture(layer, "topk", shared["topk"])
-                decode_order = invariant.window_decode_order(b.decode)  # b.decode outside the mode
-                full_window, topk = invariant.full_window(decode_order), shared["topk"]
+                # its index keys are final once it has written its own: CUDA reads them in place through the block
+                # tables; the torch path streams them once for every index layer of this source
+                cache["keys", kv_source] = ((key_pool, b.block_tables) if use_kernels(x) else
+                                            (stream(key_pool, b.block_tables, n_entries), None))
+            if args.is_index_source(layer):
+                keys, tables = cache["keys", kv_source]
+                topk = select_entries(args, block, x, qr, keys, step.positions, freqs, n_entries, shared, tables)
+                capture(layer, "topk", topk)
+                full_window = invariant.full_window(invariant.window_decode_order(b.decode))  # b.decode outside mode
                 if use_kernels(x):  # the lines below in one launch (kernels/indexer.py), the same list
                     cache["list"] = indexer_kernel.attention_list(idx, topk, step.end, W + S, r, args.index_topk,
                                                                   full_window)
