@@ -122,6 +122,12 @@ def bench_moe(moe: MoE, batches: list[int], prefill: int, iters: int, device: st
                       f"- | {floor * 1e3:.3f} | {floor / s:.2%} |", flush=True)
 
 
+def dense_shapes(args) -> list[tuple[int, int]]:
+    """The slice's FP8 linears (out x in): wq_a, wq_b, wkv, wo_b, the shared expert's w1 (and w3) and w2."""
+    d, inter = args.dim, args.moe_inter_dim
+    return [(1280, d), (args.n_heads * args.head_dim, 1280), (512, d), (d, 8192), (inter, d), (d, inter)]
+
+
 def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> None:
     import kernels.fp8_gemm as k
 
@@ -161,12 +167,20 @@ MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, S=sp, B=bits, num_warps=w, num_s
                          [(128, 128, 2, 4, 3, 0), (128, 128, 2, 4, 3, 1), (64, 128, 2, 4, 3, 0), (64, 128, 2, 4, 3, 1),
                           (128, 128, 2, 8, 3, 1), (128, 256, 2, 8, 3, 1), (64, 256, 2, 8, 3, 1), (128, 128, 4, 8, 3, 1),
                           (64, 128, 4, 4, 3, 1), (128, 64, 2, 4, 3, 1), (128, 64, 4, 4, 3, 1), (64, 64, 2, 4, 3, 1)]]}
-DENSE_SWEEP = {"decode": [(16, 64, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 128, 128, 4), (16, 64, 256, 4)],
-               "prefill": [(128, 128, 64, 8), (128, 256, 64, 8), (64, 128, 64, 4), (128, 128, 128, 8)]}
+# (BM, BN, BK, warps, swap): swap computes the product transposed, the decoded weight the dot's first operand
+DENSE_SWEEP = {"decode": [(16, 64, 256, 4, False), (16, 64, 256, 4, True), (16, 128, 256, 4, True),
+                          (16, 128, 128, 8, True), (32, 64, 256, 4, True), (64, 64, 256, 4, True),
+                          (64, 64, 128, 4, True), (64, 128, 128, 4, True), (64, 128, 256, 8, True)],
+               "prefill": [(128, 128, 64, 8, False), (128, 256, 64, 8, False), (64, 128, 64, 4, False),
+                           (128, 128, 128, 8, False)]}
 
 
 # the gate's logits at a prefill chunk (rows, experts, d a step, warps, stages), by FMA chains (kernels/moe.py
 # gate_tiles' former tiles first) and on the tensor cores
+GATE_DECODE_SWEEP = {"FMA": [(16, 16, 256, 4, 3), (16, 32, 256, 4, 3), (32, 16, 256, 4, 3), (64, 16, 256, 4, 3),
+                             (16, 16, 128, 4, 3), (16, 16, 512, 4, 3), (16, 16, 256, 2, 3), (16, 16, 256, 1, 3),
+                             (32, 32, 128, 4, 3), (64, 32, 64, 4, 3), (16, 64, 128, 4, 3), (64, 64, 64, 8, 3),
+                             (16, 16, 64, 1, 3), (32, 16, 128, 2, 3)]}
 GATE_SWEEP = {"FMA": [(64, 128, 64, 4, 3), (64, 128, 32, 4, 3), (128, 128, 16, 8, 4), (64, 64, 32, 4, 3),
                       (32, 128, 32, 4, 3)],
               "tensor cores": [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
@@ -186,12 +200,13 @@ def gate_sweep(args, rows: int, iters: int, gen) -> None:
     print("| gate rows | logits | rows, experts, d, warps, stages | ms | TFLOP/s | bits |")
     print("|---|---|---|---|---|---|")
     base = None
-    for path, tiles_list in GATE_SWEEP.items():
+    decode = rows <= 64  # decode rows: FMA tiles only (the same d parts: the same bits), replayed from a graph
+    for path, tiles_list in (GATE_DECODE_SWEEP if decode else GATE_SWEEP).items():
         for tiles in tiles_list:
             call = lambda: gate(x, weight, bias, 1.0, k, True, 1.5, tiles=tiles, tc=path != "FMA")  # noqa: E731
             try:
                 out = call()
-                s = timed(call, iters, "cuda")
+                s = timed(graphed(call) if decode else call, iters, "cuda")
             except Exception as e:  # a tile the compiler cannot fit: say so, go on
                 print(f"| {rows} | {path} | {tiles} | failed: {type(e).__name__}: {str(e).splitlines()[0][:60]} |||")
                 continue
@@ -235,7 +250,7 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
                       flush=True)
     print("| FP8 GEMM (out x in) | rows | BM, BN, BK, warps | ms (graph) | floor/measured |")
     print("|---|---|---|---|---|")
-    for N, K in [(1280, D), (D, 8192)]:
+    for N, K in dense_shapes(args):
         codes = (rnd(N, K, hi=0x7f)).view(torch.float8_e4m3fn)
         scale = torch.full((N // 32, K // 32), 118, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
         for m in [*batches, prefill]:
@@ -253,7 +268,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--masked-max", type=int, default=64, help="largest row count the masked path is timed at")
     p.add_argument("--tiny", action="store_true", help="micro widths (CPU check of the script)")
-    p.add_argument("--gate-sweep", action="store_true", help="time the gate's tiles at --prefill rows, then stop")
+    p.add_argument("--gate-sweep", action="store_true",
+                   help="time the gate's tiles at --prefill rows (decode tiles at 64 or fewer), then stop")
     p.add_argument("--sweep", action="store_true",
                    help="time tile configurations of both kernels (the MoE's under uniform routing and, at decode "
                         "rows, with every row among the same 32 experts), then stop")
@@ -269,8 +285,7 @@ def main() -> None:
         return gate_sweep(args, a.prefill, a.iters, gen)
     if a.sweep:
         return sweep(args, batches, a.prefill, a.iters, gen)
-    d, inter = args.dim, args.moe_inter_dim
-    shapes = [(1280, d), (args.n_heads * args.head_dim, 1280), (512, d), (d, 8192), (inter, d), (d, inter)]
+    shapes = dense_shapes(args)
     if a.tiny:
         shapes = [(64, 64)]
     bench_dense(shapes, [*batches, *([a.prefill] if a.prefill else [])], a.iters, device, gen)

@@ -30,8 +30,10 @@ accumulator, ran at ~180: the per-group rescale of the accumulator costs as much
 sm_100 the MX block-scaled MMA (Triton's tl.dot_scaled) takes these scales natively; not tried here.
 
 Decode shapes (a few rows) are bound by the weight bytes: with few output tiles the K loop is split over
-programs (`split`), the partial sums written in fp32 and added in split order by torch's sum (a fixed
-order for a fixed shape: deterministic; atomics would not be). The split and tiles depend on the shape only.
+programs (`split`), the partial sums written in fp32 and added in split order by `_sum_parts_kernel` (a fixed
+order: deterministic; atomics would not be). The split and tiles depend on the shape only. From 17 to 64 rows
+the product is computed transposed (`SWAP`: the decoded weight the dot's first operand, all the rows one block),
+so each weight tile is decoded once: decode is bound by issuing the decode as much as by the bytes.
 """
 import torch
 
@@ -90,13 +92,18 @@ if triton is not None:
     @triton.jit
     def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, split_stride, k_per_split,
                          HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr):
+        """out [BM, BN] of x's rows rm and W's rows rn over this program's part of K. SWAP: the product is
+        computed transposed, [BN, BM] = W·xᵀ, the decoded weight the dot's first operand (a tensor-core dot
+        takes it from registers: wgmma's A) and x's rows its second (from shared memory), so a block of rows
+        as few as 16 fills the MMA's N side and a weight tile is decoded once for up to 64 rows; unswapped,
+        x·Wᵀ, whose first operand must have 64 rows for wgmma."""
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         sn = pid_n * (BN // 32) + tl.arange(0, BN // 32)  # the tile rows of this block of outputs
         n_tiles, k_tiles = tl.cdiv(N, 32), K // 32
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         k_start = pid_k * k_per_split
         for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BK):
             kk = k0 + tl.arange(0, BK)
@@ -109,11 +116,23 @@ if triton is not None:
                         mask=(sn < n_tiles)[:, None] & (sk < k_tiles)[None, :], other=127)
             s = tl.broadcast_to(_e8m0_values(s, 0)[:, None, :, None], (BN // 32, 32, BK // 32, 32))
             w = _e4m3_values(codes, HW_FP8) * tl.reshape(s, (BN, BK))  # exact in bf16
-            acc = _dot(x, tl.trans(w), acc, BF16)
-        out = out_ptr + pid_k.to(tl.int64) * split_stride + rm.to(tl.int64)[:, None] * N + rn[None, :]
+            acc = _dot(w, tl.trans(x), acc, BF16) if SWAP else _dot(x, tl.trans(w), acc, BF16)
+        out = out_ptr + pid_k.to(tl.int64) * split_stride
         if out_ptr.dtype.element_ty == tl.bfloat16:
             acc = _round_bf16(acc, BF16)
-        tl.store(out, acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        if SWAP:
+            tl.store(out + rm.to(tl.int64)[None, :] * N + rn[:, None], acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
+        else:
+            tl.store(out + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+    @triton.jit
+    def _sum_parts_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """A split K's fp32 partial sums [SPLIT, M·N] added in split order, rounded to bf16 once: one launch."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.load(part_ptr + i, mask=i < MN, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + s * MN + i, mask=i < MN, other=0.0)
+        tl.store(y_ptr + i, _round_bf16(acc, BF16), mask=i < MN)
 
     @triton.jit
     def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, HW_FP8: tl.constexpr, BK: tl.constexpr):
@@ -149,13 +168,17 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, hw: bool | None = None
     return out
 
 
-def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, split) for an M x N x K product: shape-dependent only."""
-    if M <= 64:  # decode: few rows, the weight bytes are the cost (tiles: bench_fp4.py --sweep on an H200)
-        BM, BN, BK, warps = 16, 64, 256, 4
+def config(M: int, N: int, K: int) -> tuple[int, int, int, int, bool, int]:
+    """(BM, BN, BK, num_warps, swap, split) for an M x N x K product: shape-dependent only."""
+    if M <= 16:  # decode: few rows, the weight bytes are the cost (tiles: bench_fp4.py --sweep on an H200)
+        BM, BN, BK, warps, swap = 16, 64, 256, 4, False
+    elif M <= 64:  # one block of rows transposed: each weight tile decoded once, not once per 16 rows; at 64
+        # rows 214 -> 144 us over a slice layer's six linears, the best or within 4% of it at each but wq_b
+        # (bench_fp4.py --sweep on an H100, benchmarks/RESULTS.md)
+        BM, BN, BK, warps, swap = 64, 64, 128, 4, True
     else:
-        BM, BN, BK, warps = 128, 128, 64, 8
-    return BM, BN, BK, warps, _split(M, N, K, BM, BN, BK)
+        BM, BN, BK, warps, swap = 128, 128, 64, 8, False
+    return BM, BN, BK, warps, swap, _split(M, N, K, BM, BN, BK)
 
 
 def _split(M: int, N: int, K: int, BM: int, BN: int, BK: int) -> int:
@@ -167,7 +190,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: 
              hw: bool | None = None, cfg: tuple | None = None) -> torch.Tensor:
     """x bf16 [..., K] (already FP8-quantised and back), weight float8_e4m3fn [N, K], scale float8_e8m0fnu
     [ceil(N/32), K/32] -> bf16 [..., N]. `split`, `hw` and `cfg` override the K split, the e4m3 decode and
-    the (BM, BN, BK, num_warps) tiles (tests, benchmarks)."""
+    the (BM, BN, BK, num_warps, swap) tiles (tests, benchmarks)."""
     N, K = weight.shape
     if K % TILE or scale.shape != (triton.cdiv(N, TILE), K // TILE):
         raise ValueError(f"fp8_gemm: weight {tuple(weight.shape)} with scale {tuple(scale.shape)} is not "
@@ -178,7 +201,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: 
     M = rows.size(0)
     if M >= DEQUANT_ROWS and split is None and cfg is None:  # a prefill chunk: the torch path's product, faster
         return torch.nn.functional.linear(rows, dequantize(weight, scale, hw)).view(*x.shape[:-1], N)
-    BM, BN, BK, warps, auto_split = config(M, N, K) if cfg is None else (*cfg, _split(M, N, K, *cfg[:3]))
+    BM, BN, BK, warps, swap, auto_split = config(M, N, K) if cfg is None else (*cfg, _split(M, N, K, *cfg[:3]))
     k_per_split = triton.cdiv(triton.cdiv(K, BK), split or auto_split) * BK
     split = triton.cdiv(K, k_per_split)
     out = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else torch.bfloat16, device=x.device)
@@ -186,8 +209,12 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: 
         grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), split)
         _fp8_gemm_kernel[grid](rows, weight.view(torch.uint8), scale.view(torch.uint8), out, M, N, K, rows.stride(0),
                                M * N, k_per_split, HW_FP8=hw_fp8(x.device) if hw is None else hw,
-                               BF16=x.is_cuda, BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=3)
-    y = out[0] if split == 1 else out.sum(0).to(torch.bfloat16)  # the partials in split order
+                               BF16=x.is_cuda, BM=BM, BN=BN, BK=BK, SWAP=swap, num_warps=warps, num_stages=3)
+    if split == 1:
+        return out[0].view(*x.shape[:-1], N)
+    y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    block = 1024
+    _sum_parts_kernel[(triton.cdiv(M * N, block),)](out, y, M * N, SPLIT=split, BF16=x.is_cuda, BLOCK=block)
     return y.view(*x.shape[:-1], N)
 
 

@@ -32,15 +32,16 @@ def within_fp32_sum_and_bf16_rounding(got: torch.Tensor, x: torch.Tensor, w: tor
 
 
 @needs_interpreter
-@pytest.mark.parametrize("M,N,K", [(5, 80, 96), (3, 64, 256)])  # a partial tile of rows and of K; a K split
+@pytest.mark.parametrize("M,N,K", [(5, 80, 96), (3, 64, 256), (40, 80, 96)])  # a partial tile of rows and of K;
+# a K split; 40 rows: the product transposed by `config`
 @pytest.mark.parametrize("hw", [True, False])  # the e4m3 decode: hardware cast, or integer arithmetic (sm_80)
 def test_fp8_gemm_matches_the_dequantise_then_bf16_path(M, N, K, hw):
     g = torch.Generator().manual_seed(M * N + K)
     codes, scale = quantize_fp8_tiles(torch.randn(N, K, generator=g) * 0.05)
     xq = act_quant_fp8(torch.randn(M, K, generator=g).bfloat16(), 32)  # as FP8Linear quantises it
     want = fp8_gemm.fp8_gemm_reference(xq, codes, scale)  # the torch path: dequantised to bf16, F.linear
-    for split in (None, 2):
-        got = fp8_gemm.fp8_gemm(xq, codes, scale, split=split, hw=hw)
+    for split, cfg in [(None, None), (2, None), (None, (16, 32, 32, 4, True)), (2, (16, 32, 32, 4, True))]:
+        got = fp8_gemm.fp8_gemm(xq, codes, scale, split=split, hw=hw, cfg=cfg)  # and the product transposed
         assert got.dtype == torch.bfloat16 and got.shape == (M, N)
         assert within_fp32_sum_and_bf16_rounding(got, xq, dequantize_fp8_tiles(codes, scale))
         # against the torch path: the two roundings of the same exact sum may differ by one bf16 ulp
@@ -67,7 +68,7 @@ def test_a_prefill_chunks_fp8_gemm_is_the_torch_paths_product(hw, monkeypatch):
     assert torch.equal(fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw), fp8_gemm.fp8_gemm_reference(xq, codes, scale))
     assert len(seen) == 1
     fp8_gemm.fp8_gemm(xq[:1], codes, scale, hw=hw)  # 6 rows: the kernel
-    fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw, cfg=(16, 32, 32, 4))
+    fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw, cfg=(16, 32, 32, 4, False))
     assert len(seen) == 1
 
 

@@ -35,8 +35,9 @@ def test_compiled_fp8_gemm_matches_the_torch_path(M, N, K):
     xq = act_quant_fp8(torch.randn(M, K, device="cuda", generator=g).bfloat16(), 32)
     want = fp8_gemm.fp8_gemm_reference(xq, codes, scale)  # dequantise to bf16, cuBLAS
     w = dequantize_fp8_tiles(codes, scale)
-    for hw in (True, False):  # the hardware e4m3 conversion, and the integer decode of sm_80
-        got = fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw, cfg=fp8_gemm.config(M, N, K)[:4])  # the kernel at any M
+    for hw, swap in [(True, False), (False, False), (True, True)]:  # the hardware e4m3 conversion and the integer
+        # decode of sm_80; the product transposed (the weight the dot's first operand) and not
+        got = fp8_gemm.fp8_gemm(xq, codes, scale, hw=hw, cfg=(*fp8_gemm.config(M, N, K)[:4], swap))  # at any M
         assert within_fp32_sum_and_bf16_rounding(got, xq, w)
         torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)
         if M >= fp8_gemm.DEQUANT_ROWS:  # a prefill chunk's path: the weight decoded once, the torch path's product
