@@ -212,8 +212,8 @@ def gate_tiles(N: int, E: int, tc: bool = False) -> tuple[int, int, int, int, in
         return 64, every or 64, 64, 4, 3
     if N >= 8192:  # the slice: 4.97 -> 2.13 ms (8 warps, d in steps of 16 on 4 stages, the best of 12)
         return (64, every, 64, 4, 3) if every else (128, 128, 16, 8, 4)
-    if N > 64 and every is None:
-        return 64, 16, 256, 4, 3
+    if N > 16 and every is None:  # 64 decode rows of the slice's 384 experts: 91 -> 50 us (H100, the best of 14)
+        return (64, 16, 256, 4, 3) if N > 64 else (32, 32, 128, 4, 3)
     return 16, every or 16, 256, 4, 3
 
 

@@ -486,7 +486,7 @@ def test_compiled_gate_is_the_torch_gate_within_fp32_rounding_and_batch_invarian
     """kernels/moe.py `gate` compiled (one launch at tiny-68m's 16 experts and micro's 8, two at the slice's
     384) against model/moe.py's torch lines on CUDA (cuBLAS's fp32 GEMM, torch's softplus): the same experts
     wherever the k-th and next biased scores are apart by more than fp32 rounding, the weights within it;
-    and a row's bits the same alone as in a batch of 1,000 (fixed tiles)."""
+    and a row's bits the same alone, in a decode step's 64 and in a batch of 1,000 (each its own tile)."""
     from types import SimpleNamespace
 
     from kernels.moe import gate
@@ -514,6 +514,8 @@ def test_compiled_gate_is_the_torch_gate_within_fp32_rounding_and_batch_invarian
     alone = [gate(x[i:i + 1], module.weight_fp32(), module.bias, 1.0, k, True, 1.5) for i in (0, 17, 999)]
     for i, (w, ids) in zip((0, 17, 999), alone):
         assert torch.equal(w, got_w[i:i + 1]) and torch.equal(ids, got_ids[i:i + 1])
+    step = gate(x[:64], module.weight_fp32(), module.bias, 1.0, k, True, 1.5)  # a decode step's tile (gate_tiles)
+    assert torch.equal(step[0], got_w[:64]) and torch.equal(step[1], got_ids[:64])
     bf16_weight = gate(x, module.weight, module.bias, 1.0, k, True, 1.5)  # upcast in the kernel: the same chains
     assert torch.equal(bf16_weight[0], got_w) and torch.equal(bf16_weight[1], got_ids)
     print(f"E={E} d={d}: {(dense[0][same] != dense[1][same]).float().mean().item():.3%} of weights differ, "
