@@ -64,6 +64,22 @@ def _draw(owner: str, leaf: str, shape: torch.Size, gen: torch.Generator) -> tor
     return 0.5 * w  # attn_sink, hc_*_base, hc_*_scale, gate.bias
 
 
+# torch.randn of 16 or more fp32 values takes a vectorised Box-Muller (polynomial log, sin and cos) under the AVX2
+# and AVX-512 dispatch and a scalar one under any other (DEFAULT, ARM's): there init_weights draws other normals,
+# and a preset built from its seed has other weights (tiny-68m seed 0: 734 of 865 tensors, ALL 015f565f...).
+GOLDEN_DRAWS = ("AVX2", "AVX512")
+
+
+def seed_draws_note() -> str:
+    """Empty where torch draws the golden normals (GOLDEN_DRAWS); else a clause saying why a preset built here
+    from its seed has other weights than one built on an AVX2 or AVX-512 CPU."""
+    dispatch = torch.backends.cpu.get_cpu_capability()
+    if dispatch in GOLDEN_DRAWS:
+        return ""
+    return (f"torch's CPU dispatch here is {dispatch}, where torch.randn draws other normals than under AVX2 and "
+            "AVX-512, so a preset built here from its seed has other weights than one built on such a CPU")
+
+
 @torch.no_grad()
 def init_weights(named_params: Iterable[tuple[str, torch.Tensor]], seed: int = 0, device: str = "cpu") -> None:
     """Fill every tensor in place, in the given order (the model's `named_parameters` order), from one
@@ -231,8 +247,12 @@ def default_checkpoint(name: str = "tiny-68m", seed: int = 0, specs=None) -> Pat
     """The folder `<cache>/checkpoints/<name>-seed<seed>/`, created on first use from the preset `name`
     and `init_weights(seed)`, then reused. `specs` ((name, shape, dtype) triples) defaults to the model's
     `parameter_specs`. Written to a temporary folder beside it and renamed, so a crash leaves no half
-    checkpoint and concurrent first uses agree."""
-    path = cache_dir() / "checkpoints" / f"{name}-seed{seed}"
+    checkpoint and concurrent first uses agree. Under a dispatch that draws other normals (`seed_draws_note`:
+    also `ATEN_CPU_CAPABILITY=default` on an AVX2 CPU) the folder is named for it (`-seed0-default`), so the
+    two sets of weights never share one cache entry."""
+    dispatch = torch.backends.cpu.get_cpu_capability()
+    other = f"-{dispatch.lower().replace(' ', '-')}" if seed_draws_note() else ""
+    path = cache_dir() / "checkpoints" / f"{name}-seed{seed}{other}"
     if (path / WEIGHTS_FILE).is_file():
         return path
     args = preset(name)

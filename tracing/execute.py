@@ -19,6 +19,7 @@ This module loads torch and the model (the rest of tracing/ does not); it is imp
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from tracing.reader import Cut, TraceError, TraceFile
 from tracing.schema import BATCH_KINDS
@@ -77,8 +78,12 @@ def load_recorded_model(trace: TraceFile, model: str | None, device: str):
     except CheckpointError as e:
         raise TraceError(f"cannot rebuild the recorded model from {source!r} ({e}); pass --model.") from None
     if header.get("checkpoint_digest") and digest != header["checkpoint_digest"]:
+        from model.checkpoint import seed_draws_note
+        from model.config import PRESETS
+        why = seed_draws_note() if source in PRESETS and not Path(source).is_dir() else ""
         raise TraceError(f"the weights at {source!r} (digest {digest[:12]}…) are not the recorded ones "
-                         f"({header['checkpoint_digest'][:12]}…); pass --model with the recorded checkpoint.")
+                         f"({header['checkpoint_digest'][:12]}…){': ' + why if why else ''}; pass --model with "
+                         "the recorded checkpoint" + (" (a copy of its folder)." if why else "."))
     if header.get("dtype") == "float32":
         weights.to_fp32()
     if header.get("intra_op_threads"):  # the CPU kernels' bits depend on it, also beside a GPU
