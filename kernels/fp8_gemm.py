@@ -173,7 +173,7 @@ def config(M: int, N: int, K: int) -> tuple[int, int, int, int, bool, int]:
     if M <= 16:  # decode: few rows, the weight bytes are the cost (tiles: bench_fp4.py --sweep on an H200)
         BM, BN, BK, warps, swap = 16, 64, 256, 4, False
     elif M <= 64:  # one block of rows transposed: each weight tile decoded once, not once per 16 rows; at 64
-        # rows 214 -> 144 us over a slice layer's six linears, the best or within 4% of it at each but wq_b
+        # rows 213 -> 143 us over a slice layer's seven linears, the best or within 4% of it at each but wq_b
         # (bench_fp4.py --sweep on an H100, benchmarks/RESULTS.md)
         BM, BN, BK, warps, swap = 64, 64, 128, 4, True
     else:

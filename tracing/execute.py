@@ -79,8 +79,9 @@ def load_recorded_model(trace: TraceFile, model: str | None, device: str):
         raise TraceError(f"cannot rebuild the recorded model from {source!r} ({e}); pass --model.") from None
     if header.get("checkpoint_digest") and digest != header["checkpoint_digest"]:
         from model.checkpoint import seed_draws_note
-        from model.config import PRESETS
-        why = seed_draws_note() if source in PRESETS and not Path(source).is_dir() else ""
+        from model.config import PRESETS, RELEASED_PRESETS
+        seeded_on_cpu = source in PRESETS and source not in RELEASED_PRESETS and not Path(source).is_dir()
+        why = seed_draws_note() if seeded_on_cpu else ""  # the released presets are drawn on the device
         raise TraceError(f"the weights at {source!r} (digest {digest[:12]}…) are not the recorded ones "
                          f"({header['checkpoint_digest'][:12]}…){': ' + why if why else ''}; pass --model with "
                          "the recorded checkpoint" + (" (a copy of its folder)." if why else "."))
