@@ -64,7 +64,7 @@ if triton is not None:
 
     @triton.jit
     def _w_group(w_base, s, w_rows, w_live, gi, KP, HW_FP8: tl.constexpr, BN: tl.constexpr,
-                 BF16: tl.constexpr, BITS: tl.constexpr):
+                 BF16: tl.constexpr, BITS: tl.constexpr, SLOTS: tl.constexpr):
         """W's rows w_rows [BN] at scale group gi (K values 32·gi to 32·gi + 31: 16 packed bytes a row) as
         their values [BN, 32], exact (bf16 compiled, fp32 under the interpreter), zero in rows not w_live:
         codes at w_base [., KP]; s [BN] int32 the group's e8m0 scales."""
@@ -79,17 +79,29 @@ if triton is not None:
                 # masked and shifted int16s cost two byte permutes a byte, 64 of an iteration's 472 instructions)
                 lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair],
                                                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-                v = tl.reshape(tl.join(lo, hi), (BN, 32))
+                v = tl.join(lo, hi)
                 scale = ((s + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s-1): s <= 128
-                w = v * scale[:, None]  # a power of two: exact
-            else:
-                v = tl.reshape(tl.join(pair << 16, pair & -65536), (BN, 32))  # the same patterns as fp32's high halves
-                w = v.to(tl.float32, bitcast=True) * _e8m0_values(s, 126)[:, None]
-        else:
-            codes = tl.reshape(tl.join(b & 15, b >> 4), (BN, 32))  # K value 2j: byte j's low nibble, 2j+1: its high
-            # e2m1 bits onto e4m3 bits (a value times 2^-6), the scale times 2^6
-            w = _e4m3_values(((codes & 8) << 4) | ((codes & 7) << 2), HW_FP8) * _e8m0_values(s, 6)[:, None]
-        return w
+            else:  # the same patterns as fp32's high halves
+                v = tl.join(pair << 16, pair & -65536).to(tl.float32, bitcast=True)
+                scale = _e8m0_values(s, 126)
+        else:  # e2m1 bits onto e4m3 bits (a value times 2^-6), the scale times 2^6
+            codes = tl.join(b & 15, b >> 4)
+            v = _e4m3_values(((codes & 8) << 4) | ((codes & 7) << 2), HW_FP8)
+            scale = _e8m0_values(s, 6)
+        if SLOTS:  # v [rows, byte 4c + 2h + p, nibble j] in the dot's K slots 16h + 8p + 2c + j (`_slot_k`)
+            v = tl.reshape(tl.permute(tl.reshape(v, (BN, 4, 2, 2, 2)), (0, 2, 3, 1, 4)), (BN, 32))
+        else:  # in K order: K value 2j is byte j's low nibble, 2j + 1 its high
+            v = tl.reshape(v, (BN, 32))
+        return v * scale[:, None]  # a power of two: exact
+
+    @triton.jit
+    def _slot_k(slot):
+        """The K value (of a group's 32) in the dot's K slot `slot`: slot 16h + 8p + 2c + j holds 8c + 4h + 2p + j.
+        The tensor-core dot's register operand gives thread c (of a row's 4) slots 2c, 2c+1, 2c+8, 2c+9 of each
+        16: in K order those are bytes c, c+4, c+8, c+12 of a group, four single-byte shared-memory loads; in this
+        order bytes 4c to 4c+3, one word (on sm_90 at BN 128 on 8 warps: one LDSM a group where K order takes 8
+        LDS.U8). x's rows are read in the same order, so the dot's sum is over the same products."""
+        return 8 * ((slot // 2) % 4) + 4 * (slot // 16) + 2 * ((slot // 8) % 2) + slot % 2
 
     @triton.jit
     def _scales(s_base, w_rows, w_live, g0, G, U: tl.constexpr):
@@ -100,15 +112,15 @@ if triton is not None:
         return tl.load(at, mask=w_live, other=0)
 
     @triton.jit
-    def _x_group_t(x_ptr, x_rows, live, gi, K):
+    def _x_group_t(x_ptr, x_rows, live, gi, K, SLOTS: tl.constexpr):
         """Rows x_rows [BM] of x bf16 [., K] at scale group gi, transposed: [32, BM]; zero in rows not live."""
-        kk = gi * 32 + tl.arange(0, 32)
+        kk = gi * 32 + (_slot_k(tl.arange(0, 32)) if SLOTS else tl.arange(0, 32))  # as `_w_group` orders K
         return tl.load(x_ptr + x_rows[None, :] * K + kk[:, None], mask=live[None, :], other=0.0)
 
     @triton.jit
     def _fp4_tile_dot(acc, x_ptr, x_rows, live, K, w_base, s_base, w_rows, w_live, groups,
                       HW_FP8: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr, U: tl.constexpr,
-                      BITS: tl.constexpr):
+                      BITS: tl.constexpr, SLOTS: tl.constexpr):
         """acc [BN, BM] += dequant(W[w_rows]) · x[x_rows, :K]ᵀ over this program's part of K: the weight is the
         dot's first operand, decoded in registers (where a tensor-core dot can take it without a trip through
         shared memory), x's rows its second. K is walked one scale group (32 values) a dot, U groups an
@@ -122,8 +134,8 @@ if triton is not None:
             scales = _scales(s_base, w_rows, w_live, g0, G, U)
             for du in tl.static_range(U):
                 s = (scales.to(tl.int64) >> (8 * du)).to(tl.int32) & 255  # byte du: group g0 + du
-                acc = _dot(_w_group(w_base, s, w_rows, w_live, g0 + du, KP, HW_FP8, BN, BF16, BITS),
-                           _x_group_t(x_ptr, x_rows, live, g0 + du, K), acc, BF16)
+                acc = _dot(_w_group(w_base, s, w_rows, w_live, g0 + du, KP, HW_FP8, BN, BF16, BITS, SLOTS),
+                           _x_group_t(x_ptr, x_rows, live, g0 + du, K, SLOTS), acc, BF16)
         return acc
 
     @triton.jit
@@ -150,7 +162,7 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, pairs_ptr, tile_ptr, w_ptr, s_ptr, route_ptr, out_ptr, D, I, TOPK, limit, P,
                         groups, HW_FP8: tl.constexpr, BF16: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr,
-                        BITS: tl.constexpr):
+                        BITS: tl.constexpr, SLOTS: tl.constexpr):
         """BN rows of w13 a program, w1's and w3's interleaved (row 2i: w1's row for output n_i, 2i+1: w3's), so
         one accumulator and one dot a group serve both: BN / 2 of inter's outputs. Unsplit, the hidden bf16
         [P, I] to out_ptr; split over K (SPLIT), this part's fp32 sums [SPLIT, P, 2I] (w1's and w3's of output n
@@ -166,7 +178,8 @@ if triton is not None:
             w_base = w_ptr + e64 * (2 * I) * (D // 2)  # w13 [E, 2I, D/2]: w1's rows, then w3's
             s_base = s_ptr + e64 * (2 * I) * (D // 32)
             acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, token, live, D, w_base, s_base,
-                                tl.where(i2 % 2 == 0, n2, I + n2), n2 < I, groups, HW_FP8, BF16, BN, U, BITS)
+                                tl.where(i2 % 2 == 0, n2, I + n2), n2 < I, groups, HW_FP8, BF16, BN, U,
+                                BITS, SLOTS)
             rows = r.to(tl.int64)[None, :]
             if SPLIT > 1:
                 part = out_ptr + tl.program_id(2).to(tl.int64) * P * 2 * I + rows * (2 * I)
@@ -198,7 +211,7 @@ if triton is not None:
     def _down_kernel(h_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, D, I, P, groups,
                      HW_FP8: tl.constexpr, BF16: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr,
-                     BITS: tl.constexpr):
+                     BITS: tl.constexpr, SLOTS: tl.constexpr):
         """The w2 product of BN outputs a program: bf16 [P, D] unsplit, this part's fp32 sums [SPLIT, P, D] split."""
         pid_n, t = tl.program_id(0), tl.program_id(1)  # a tile's output blocks run side by side: x's rows stay in L2
         e, r, live = _tile_rows(tile_ptr, t, BM)
@@ -209,7 +222,7 @@ if triton is not None:
             w_base = w_ptr + e64 * D * (I // 2)  # w2 [E, D, I/2]
             s_base = s_ptr + e64 * D * (I // 32)
             acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), h_ptr, r.to(tl.int64), live, I,
-                                w_base, s_base, n, n_live, groups, HW_FP8, BF16, BN, U, BITS)
+                                w_base, s_base, n, n_live, groups, HW_FP8, BF16, BN, U, BITS, SLOTS)
             at = out_ptr + tl.program_id(2).to(tl.int64) * P * D + r.to(tl.int64)[None, :] * D + n[:, None]
             if SPLIT > 1:
                 tl.store(at, acc, mask=live[None, :] & n_live[:, None])
@@ -242,7 +255,9 @@ def config(pairs: int, experts: int) -> dict:
     order before the roundings, for more programs where few tiles are live; not a default: on an H200, 64 rows
     took 1-44% longer with S = 2 to 8, routed uniformly or to 32 experts (benchmarks/RESULTS.md). And B=0
     decodes the codes through e4m3 instead of by bit patterns (`_w_group`; the same values, more instructions:
-    moe_forward's path for scales past BIT_DECODE_MAX_SCALE)."""
+    moe_forward's path for scales past BIT_DECODE_MAX_SCALE). KS=1 walks a group's K in the dot's slot order
+    (`_slot_k`): a thread's code bytes one word, not four bytes (compiled for sm_90 off the GPU: 4 LDSM an
+    iteration for 32 LDS.U8, the same 47 registers); not a default until timed on a GPU (benchmarks/RESULTS.md)."""
     if pairs <= 4 * experts:  # decode: the best of 11 at 16 and 64 rows, 1-6% before BN 64 on 4 warps (RESULTS, H100)
         return dict(BM=16, BN=128, U=4, num_warps=8, num_stages=3)
     if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 11 at 2,048 rows
@@ -287,6 +302,7 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         raise ValueError(f"fp4 MoE: dim {D} and inter {I} must be multiples of the scale group {GROUP}")
     cfg = dict(config(N * k, E), **(cfg or {}))
     BM, BN, U, S, B = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U"), cfg.pop("S", 1), cfg.pop("B", 1)
+    ks = cfg.pop("KS", 0)
     pairs, tiles, slots = plan(ids, E, BM)
     if tiles.size(0) > 65535:  # the grid's second axis
         raise ValueError(f"fp4 MoE: {N} rows x {k} make {tiles.size(0)} tiles of {BM}, more than a launch takes "
@@ -300,7 +316,8 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     gu = hidden if S == 1 else torch.empty(S, P, 2 * I, dtype=torch.float32, device=dev)
     _gate_up_kernel[(triton.cdiv(I, BN // 2), tiles.size(0), S)](  # BN rows of w13: BN / 2 outputs
         xq.contiguous(), pairs, tiles, w13.view(torch.uint8), s13.view(torch.uint8), weights.contiguous().view(-1),
-        gu, D, I, k, float(limit), P, parts(D), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, BITS=B, **cfg)
+        gu, D, I, k, float(limit), P, parts(D), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, BITS=B,
+        SLOTS=ks, **cfg)
     if S > 1:
         block = min(1024, triton.next_power_of_2(I))
         _gate_up_sum_kernel[(P, triton.cdiv(I, block))](gu, pairs, weights.contiguous().view(-1), hidden, P, I,
@@ -309,7 +326,7 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     out = torch.empty(S, P, D, dtype=torch.bfloat16 if S == 1 else torch.float32, device=dev)
     _down_kernel[(triton.cdiv(D, BN), tiles.size(0), S)](
         hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, P, parts(I), HW_FP8=hw,
-        BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, BITS=B, **cfg)
+        BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, BITS=B, SLOTS=ks, **cfg)
     out = out[0] if S == 1 else out.sum(0).to(torch.bfloat16)  # the parts in split order, then w2's rounding
     return out, slots
 
