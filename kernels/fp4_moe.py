@@ -66,8 +66,9 @@ if triton is not None:
     def _w_group(w_base, s, w_rows, w_live, gi, KP, HW_FP8: tl.constexpr, BN: tl.constexpr,
                  BF16: tl.constexpr, BITS: tl.constexpr, SLOTS: tl.constexpr):
         """W's rows w_rows [BN] at scale group gi (K values 32·gi to 32·gi + 31: 16 packed bytes a row) as
-        their values [BN, 32], exact (bf16 compiled, fp32 under the interpreter), zero in rows not w_live:
-        codes at w_base [., KP]; s [BN] int32 the group's e8m0 scales."""
+        their values [BN, 32] in K order (SLOTS: in the dot's K slot order, `_slot_k`), exact (bf16 compiled,
+        fp32 under the interpreter), zero in rows not w_live: codes at w_base [., KP]; s [BN] int32 the group's
+        e8m0 scales."""
         jj = gi * 16 + tl.arange(0, 16)
         b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=w_live[:, None], other=0).to(tl.int32)
         if BITS:

@@ -248,11 +248,12 @@ def default_checkpoint(name: str = "tiny-68m", seed: int = 0, specs=None) -> Pat
     and `init_weights(seed)`, then reused. `specs` ((name, shape, dtype) triples) defaults to the model's
     `parameter_specs`. Written to a temporary folder beside it and renamed, so a crash leaves no half
     checkpoint and concurrent first uses agree. Under a dispatch that draws other normals (`seed_draws_note`:
-    also `ATEN_CPU_CAPABILITY=default` on an AVX2 CPU) the folder is named for it (`-seed0-default`), so the
-    two sets of weights never share one cache entry."""
-    dispatch = torch.backends.cpu.get_cpu_capability()
-    other = f"-{dispatch.lower().replace(' ', '-')}" if seed_draws_note() else ""
-    path = cache_dir() / "checkpoints" / f"{name}-seed{seed}{other}"
+    also `ATEN_CPU_CAPABILITY=default` on an AVX2 CPU) the golden folder is used if it is there (drawn by an
+    earlier process under AVX2 or AVX-512), else the weights drawn here go to a folder named for the dispatch
+    (`-seed0-default`): the two sets of weights never share one cache entry."""
+    path = cache_dir() / "checkpoints" / f"{name}-seed{seed}"
+    if seed_draws_note() and not (path / WEIGHTS_FILE).is_file():
+        path = path.with_name(f"{path.name}-{torch.backends.cpu.get_cpu_capability().lower().replace(' ', '-')}")
     if (path / WEIGHTS_FILE).is_file():
         return path
     args = preset(name)

@@ -190,7 +190,8 @@ def test_default_checkpoint_is_built_once_in_the_cache(tmp_path, monkeypatch, ti
 
 def test_a_dispatch_that_draws_other_normals_is_named_and_kept_apart(tmp_path, monkeypatch):
     """Under a dispatch other than AVX2 and AVX-512 (DEFAULT imitated here) the seeded init draws other normals:
-    `seed_draws_note` says so, the default checkpoint goes to its own cache folder (never the golden one's), and
+    `seed_draws_note` says so, the default checkpoint goes to its own cache folder (never the golden one's; that
+    one is used where an earlier process under AVX2 drew it), and
     `check` of a trace recorded elsewhere names the reason beside the digests, not only "other weights"."""
     from model import load
     from tracing.execute import load_recorded_model
@@ -202,6 +203,10 @@ def test_a_dispatch_that_draws_other_normals_is_named_and_kept_apart(tmp_path, m
     monkeypatch.setattr(ckpt, "init_weights", lambda tensors, seed: None)  # the folder's name is what counts
     monkeypatch.setattr(ckpt, "save_checkpoint", lambda path, args, tensors: (path / ckpt.WEIGHTS_FILE).touch())
     assert ckpt.default_checkpoint("tiny-68m", 0, specs=[]).name == "tiny-68m-seed0-default"
+    golden = tmp_path / "checkpoints" / "tiny-68m-seed0"
+    golden.mkdir()
+    (golden / ckpt.WEIGHTS_FILE).touch()  # drawn by an earlier process under AVX2: the preset's own weights
+    assert ckpt.default_checkpoint("tiny-68m", 0, specs=[]) == golden
     trace = open_trace(DATA.parent.parent / "traces" / "examples" / "micro-preempt-cancel.mdt")
     monkeypatch.setattr(load, "load_model", lambda *a, **k: (None, "0" * 64))
     with pytest.raises(TraceError, match=r"not the recorded ones \(.*\): torch's CPU dispatch here is DEFAULT, "
