@@ -52,7 +52,7 @@ try:  # Triton ships Linux wheels only; elsewhere model/moe.py's torch path is t
     import triton
     import triton.language as tl
 
-    from kernels.fp8_gemm import _dot, _e4m3_values, _round_bf16, _e8m0_values, hw_fp8
+    from kernels.fp8_gemm import _dot, _e4m3_values, _round_bf16, _e8m0_values, hw_fp8, sum_parts
 except ImportError:
     triton = None
 
@@ -328,7 +328,7 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     _down_kernel[(triton.cdiv(D, BN), tiles.size(0), S)](
         hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, P, parts(I), HW_FP8=hw,
         BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, BITS=B, SLOTS=ks, **cfg)
-    out = out[0] if S == 1 else out.sum(0).to(torch.bfloat16)  # the parts in split order, then w2's rounding
+    out = out[0] if S == 1 else sum_parts(out)  # the parts in split order, then w2's rounding
     return out, slots
 
 

@@ -210,12 +210,16 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: 
         _fp8_gemm_kernel[grid](rows, weight.view(torch.uint8), scale.view(torch.uint8), out, M, N, K, rows.stride(0),
                                M * N, k_per_split, HW_FP8=hw_fp8(x.device) if hw is None else hw,
                                BF16=x.is_cuda, BM=BM, BN=BN, BK=BK, SWAP=swap, num_warps=warps, num_stages=3)
-    if split == 1:
-        return out[0].view(*x.shape[:-1], N)
-    y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-    block = 1024
-    _sum_parts_kernel[(triton.cdiv(M * N, block),)](out, y, M * N, SPLIT=split, BF16=x.is_cuda, BLOCK=block)
-    return y.view(*x.shape[:-1], N)
+    return (out[0] if split == 1 else sum_parts(out)).view(*x.shape[:-1], N)
+
+
+def sum_parts(parts: torch.Tensor) -> torch.Tensor:
+    """A split K's fp32 partial sums [S, ...] (contiguous) -> bf16 [...]: added in part order, rounded once, in one
+    launch (`_sum_parts_kernel`; torch's sum and cast take two)."""
+    y = torch.empty(parts.shape[1:], dtype=torch.bfloat16, device=parts.device)
+    n = y.numel()
+    _sum_parts_kernel[(triton.cdiv(n, 1024),)](parts, y, n, SPLIT=parts.size(0), BF16=parts.is_cuda, BLOCK=1024)
+    return y
 
 
 def fp8_gemm_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
