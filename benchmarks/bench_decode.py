@@ -140,10 +140,13 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, warmup: int, steps: int, z
 
 
 def timed_decode(engine, batch: int, steps: int, probe=None) -> dict:
-    """Time the engine's next `steps` steps, each a decode step of all `batch` rows, then run it dry; returns
+    """Time `steps` steps of the engine in its steady state, each a decode step of all `batch` rows (under ZOS
+    after one untimed step, so that one is in flight at the window's start), then run it dry; returns
     ms/step, tokens/s and the device's busy fraction from the SpanTracer's spans, and with `probe(engine)`
     (run after the timed steps, on the same rows) what it returns."""
     tracer = engine.tracer
+    if engine.enable_zos:  # refill the pipeline: a step in flight at t0 as at every later step, else (after a
+        engine.step()      # synchronize) the window's first call returns at once and N calls hold N - 1 steps
     start_step, t0 = engine.scheduler.step, time.perf_counter_ns()
     for _ in range(steps):
         engine.step()

@@ -298,7 +298,7 @@ def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: in
 
     engine.runner.use_cuda_graphs, zos, engine.enable_zos = False, engine.enable_zos, False
     ids = [engine.add_request([3 + (i * 7 + j) % 1000 for j in range(context)],
-                              SamplingParams(temperature=1.0, seed=i, max_tokens=5 + 2 + timed, ignore_eos=True))
+                              SamplingParams(temperature=1.0, seed=i, max_tokens=5 + 3 + timed, ignore_eos=True))
            for i in range(1 if clones else batch)]
     if clones:
         source = ids[0]
@@ -315,6 +315,8 @@ def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: in
     for _ in range(2):
         engine.step()
     torch.cuda.synchronize()
+    if zos:
+        engine.step()  # one in flight at the start, as in bench_decode.timed_decode
     start = time.perf_counter()
     for _ in range(timed):
         engine.step()
@@ -344,7 +346,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--contexts", default="1024", help="prompt lengths of the decode runs")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prefill", default="1x4096", help="NxL prefill shapes, comma separated ('' for none)")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--max-prefill-tokens", type=int, default=1 << 17)

@@ -10,7 +10,7 @@ replicated; plus the paged KV state of `--batch` sequences of `--context` positi
 (model/paged.py `bytes_per_block`, `bytes_per_slot`: the engine's own tensors) and the workspace the slice
 measured beyond its weights and KV (its peak less both, at the same batch and context).
 
-Decode time per GPU, scaled from the slice's profile (`bench_slice.py --profile BxC --json`, an H200): each
+Decode time per GPU, scaled from the slice's profile (`bench_slice.py --profile BxC --json`, an H200 or H100): each
 slice layer's device ms stands for the real layers of its role (spec §1.3: 1 window-only layer, 1 window-only
 with Engram, 3 ratio-2 sources, 15 ratio-2 consumers, 1 ratio-1 source, 15 ratio-1 consumers, 4 re-index
 layers; layer 14's Engram block counted once more), split in three:
@@ -23,7 +23,8 @@ layers; layer 14's Engram block counted once more), split in three:
   with that ratio (they are bound by the expert bytes at decode);
 - everything else of the layer (attention, the indexer, hyper-connections, norms, the shared expert): the
   same work per GPU under DP (each rank its own batch);
-- both then scaled by HBM bandwidth, B200 over H200 (`--h200-bw`, `--b200-bw`: nominal TB/s; a decode step
+- both then scaled by HBM bandwidth, B200 over the profiled GPU (nominal TB/s: `PROFILED_GPUS` by the profile's
+  hardware name, H200 or H100, or `--profiled-bw`; `--b200-bw`; a decode step
   at batch 64 is bound by the bytes it reads, RESULTS.md "The slice at context");
 - the profile's eager kernel time is converted to a CUDA-graph step by the slice's measured ratio of graph
   step to profiled kernel time (the graph ms/step `bench_slice.py --profile` times on the same rows, or
@@ -59,6 +60,8 @@ GB = 1e9
 ROLES = {0: [0], 1: [1], 2: [2, 8, 14], 3: [*range(3, 8), *range(9, 14), *range(15, 20)], 4: [20],
          5: [*range(21, 24), *range(25, 28), *range(29, 32), *range(33, 36), *range(37, 40)], 6: [24, 28, 32, 36]}
 MOE_KERNELS = ("_gate_up_kernel", "_down_kernel")
+# nominal HBM TB/s and SMs of the GPUs a profile may come from, by a part of the name torch reports
+PROFILED_GPUS = {"H200": (4.8, 132), "H100 80GB HBM3": (3.35, 132)}
 
 
 def released_args(context: int):
@@ -105,10 +108,12 @@ def main() -> None:
     p.add_argument("--graph-step-ms", type=float, default=None,
                    help="the slice's CUDA-graph ms/step at the profile's batch and context (default: the profile's)")
     p.add_argument("--slice-peak-gb", type=float, default=None, help="the slice's peak GB at that batch and context")
-    p.add_argument("--h200-bw", type=float, default=4.8, help="H200 HBM TB/s (nominal)")
+    p.add_argument("--profiled-bw", type=float, default=None,
+                   help="the profiled GPU's HBM TB/s (default: by its name, PROFILED_GPUS)")
     p.add_argument("--b200-bw", type=float, default=8.0, help="B200 HBM TB/s (nominal)")
     p.add_argument("--b200-gb", type=float, default=180.0, help="B200 memory a process can use, GB")
-    p.add_argument("--h200-sms", type=int, default=132, help="H200 SMs (for kernels bound by issuing instructions)")
+    p.add_argument("--profiled-sms", type=int, default=None,
+                   help="the profiled GPU's SMs, for kernels bound by issuing instructions (default: by its name)")
     p.add_argument("--b200-sms", type=int, default=148, help="B200 SMs")
     p.add_argument("--nvlink", type=float, default=900.0, help="NVLink GB/s one way per GPU (B200: NVLink 5)")
     p.add_argument("--collective-us", type=float, default=20.0, help="latency of one small NCCL collective, us")
@@ -122,6 +127,14 @@ def main() -> None:
     if prof is None or prof["batch"] != a.batch or prof["context"] != a.context:
         sys.exit(f"{a.profile} has no profile at batch {a.batch} and context {a.context}; run bench_slice.py "
                  f"--profile {a.batch}x{a.context}.")
+    gpu = report.get("hardware", "")
+    known = next((v for name, v in PROFILED_GPUS.items() if name in gpu), None)
+    if known is None and (a.profiled_bw is None or a.profiled_sms is None):
+        sys.exit(f"{a.profile} was profiled on {gpu or 'an unnamed GPU'}, whose bandwidth and SMs this script does "
+                 f"not know; give --profiled-bw and --profiled-sms.")
+    profiled_bw = a.profiled_bw or known[0]
+    profiled_sms = a.profiled_sms or known[1]
+    gpu = gpu.removeprefix("NVIDIA ") or "the profiled GPU"
     slice_args, full = preset("v41-slice"), released_args(a.context)
     E, k, G = full.n_routed_experts, full.n_activated_experts, a.gpus
 
@@ -156,7 +169,7 @@ def main() -> None:
     if graph_ms is None:
         sys.exit(f"{a.profile} has no CUDA-graph step time; give --graph-step-ms.")
     graph = graph_ms / d["device_ms"]  # graph step per ms of profiled kernel time
-    bw = a.h200_bw / a.b200_bw
+    bw = profiled_bw / a.b200_bw
     per_gpu_experts = E / G * hit(E, G * a.batch * k)
     one_gpu_experts = d.get("experts_per_layer")
     counted = one_gpu_experts is not None
@@ -171,18 +184,19 @@ def main() -> None:
             other += layers[1]["engram_ms"] / len(real)  # layer 14, a ratio-2 source, has an Engram block too
         rows.append((role, len(real), other))
     print(f"### Decode step per GPU (estimate), from the slice's profile at batch {a.batch}, context {a.context:,}\n")
-    print(f"Scales: B200/H200 bandwidth {1 / bw:.2f}x; the profile's kernel time to a graph step {graph:.3f}x; "
+    print(f"Profiled on {gpu} ({profiled_bw} TB/s, {profiled_sms} SMs). "
+          f"Scales: B200/profiled bandwidth {1 / bw:.2f}x; the profile's kernel time to a graph step {graph:.3f}x; "
           f"routed experts read per GPU {per_gpu_experts:.1f} of {E // G} (EP, uniform routing) against "
           f"{one_gpu_experts:.1f} of {E} in the profiled slice step ("
           f"{'counted' if counted else 'the uniform expectation: this profile has no count'}; {moe_scale:.3f}x).\n")
-    print("| slice layer (role) | real layers | H200 ms a layer, non-MoE | H200 ms a layer, routed experts | "
+    print(f"| slice layer (role) | real layers | {gpu} ms a layer, non-MoE | {gpu} ms a layer, routed experts | "
           "B200 ms, all its layers |")
     print("|---|---|---|---|---|")
-    step = experts_h200 = 0.0
+    step = experts_profiled = 0.0
     for role, n, other in rows:
         ms = n * (other + moe * moe_scale) * graph * bw
         step += ms
-        experts_h200 += n * moe * moe_scale * graph
+        experts_profiled += n * moe * moe_scale * graph
         print(f"| {role} (ratio {layers[role]['ratio']}) | {n} | {other:.3f} | {moe:.3f} | {ms:.2f} |")
     head = outside * graph * bw
     dim = full.dim
@@ -197,13 +211,13 @@ def main() -> None:
     print(f"| **step** | {full.n_layers} | | | **{step:.1f} ms** |\n")
     print(f"Decode per GPU at batch {a.batch}, context {a.context:,}: ~{a.batch / step * 1e3:,.0f} tokens/s "
           f"({G} GPUs: ~{G * a.batch / step * 1e3:,.0f} tokens/s), an estimate.")
-    # kernels/fp4_moe.py at decode is bound by issuing its decode instructions on the H200, not by HBM
+    # kernels/fp4_moe.py at decode is bound by issuing its decode instructions on an H200, not by HBM
     # (benchmarks/RESULTS.md): the bandwidth scale above assumes a B200 kernel bound by the expert bytes (a
     # block-scaled MMA, say); the same kernel as it is would scale by SMs at a like clock
-    sm = a.h200_sms / a.b200_sms
-    issue = step + experts_h200 * (sm - bw)
-    print(f"\nWith the routed experts' kernels bound by instruction issue as on the H200 (scaled by SMs, "
-          f"{a.b200_sms} over {a.h200_sms}, not by bandwidth): the routed experts {experts_h200 * sm:.1f} ms of a "
+    sm = profiled_sms / a.b200_sms
+    issue = step + experts_profiled * (sm - bw)
+    print(f"\nWith the routed experts' kernels bound by instruction issue (scaled by SMs, "
+          f"{a.b200_sms} over {profiled_sms}, not by bandwidth): the routed experts {experts_profiled * sm:.1f} ms of a "
           f"**{issue:.1f} ms** step, ~{a.batch / issue * 1e3:,.0f} tokens/s a GPU.")
 
 

@@ -257,10 +257,10 @@ def config(pairs: int, experts: int) -> dict:
     took 1-44% longer with S = 2 to 8, routed uniformly or to 32 experts (benchmarks/RESULTS.md). And B=0
     decodes the codes through e4m3 instead of by bit patterns (`_w_group`; the same values, more instructions:
     moe_forward's path for scales past BIT_DECODE_MAX_SCALE). KS=1 walks a group's K in the dot's slot order
-    (`_slot_k`): a thread's code bytes one word, not four bytes (compiled for sm_90 off the GPU: 4 LDSM an
-    iteration for 32 LDS.U8, the same 47 registers); not a default until timed on a GPU (benchmarks/RESULTS.md)."""
-    if pairs <= 4 * experts:  # decode: the best of 11 at 16 and 64 rows, 1-6% before BN 64 on 4 warps (RESULTS, H100)
-        return dict(BM=16, BN=128, U=4, num_warps=8, num_stages=3)
+    (`_slot_k`): a thread's code bytes one word, not four bytes (4 LDSM an iteration for 32 LDS.U8 on sm_90):
+    decode's default, 6-10% faster there on an H100; prefill's tiles were slower with it (benchmarks/RESULTS.md)."""
+    if pairs <= 4 * experts:  # decode: the best of 11 at 16 and 64 rows (RESULTS, H100), K in slot order
+        return dict(BM=16, BN=128, U=4, KS=1, num_warps=8, num_stages=3)
     if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 11 at 2,048 rows
         return dict(BM=64, BN=128, U=2, num_warps=4, num_stages=3)
     return dict(BM=128, BN=64, U=2, num_warps=4, num_stages=3)  # the best of 11 at 8,192 rows

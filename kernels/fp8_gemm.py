@@ -173,9 +173,11 @@ def config(M: int, N: int, K: int) -> tuple[int, int, int, int, bool, int]:
     if M <= 16:  # decode: few rows, the weight bytes are the cost (tiles: bench_fp4.py --sweep on an H200)
         BM, BN, BK, warps, swap = 16, 64, 256, 4, False
     elif M <= 64:  # one block of rows transposed: each weight tile decoded once, not once per 16 rows; at 64
-        # rows 213 -> 143 us over a slice layer's seven linears, the best or within 4% of it at each but wq_b
-        # (bench_fp4.py --sweep on an H100, benchmarks/RESULTS.md)
-        BM, BN, BK, warps, swap = 64, 64, 128, 4, True
+        # rows 213 -> 143 us over a slice layer's seven linears; 128 weight rows a program on 8 warps where
+        # there are at least 2,048 (wq_b 35 -> 25 us, Engram's wkv 81 -> 67, wo_b 38 -> 33), 64 on 4 below
+        # (wq_a, wkv: 1-13% faster so) (H100, benchmarks/RESULTS.md)
+        BM, BK, swap = 64, 128, True
+        BN, warps = (128, 8) if N >= 2048 else (64, 4)
     else:
         BM, BN, BK, warps, swap = 128, 128, 64, 8, False
     return BM, BN, BK, warps, swap, _split(M, N, K, BM, BN, BK)

@@ -274,9 +274,11 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
         tables, per_block = (keys, 0) if block_tables is None else (block_tables.contiguous(), keys.size(1))
         strides = (q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), keys.stride(0), keys.stride(1),
                    tables.stride(0), out.stride(0), out.stride(1))
-        if S < BLOCK_S:  # decode: a program per query, its heads on the dot's rows (the same scores, 16x less work)
+        if S < BLOCK_S:  # decode: a program per query, its heads on the dot's rows (the same scores, 16x less work;
+            # 2 warps, 2 stages: the best of 36 tiles at 64 x 32k, 10% before the default, the same bits: RESULTS)
             _index_scores_row_kernel[(S, triton.cdiv(E, BLOCK_E), B)](q, w, keys, tables, vis, out, S, E, H, *strides,
-                                                                      D=D, BH=BLOCK_S, BE=BLOCK_E, PER_BLOCK=per_block)
+                                                                      D=D, BH=BLOCK_S, BE=BLOCK_E, PER_BLOCK=per_block,
+                                                                      num_warps=2, num_stages=2)
         else:
             cfg = dict(cfg or scores_config(S, q.device, batch_invariant))
             BS, BE = cfg.pop("BS"), cfg.pop("BE")

@@ -1,6 +1,7 @@
 """benchmarks/clone.py: a clone of a prefilled sequence decodes what the sequence itself decodes (issue #20 item 2
 times decode at long contexts over clones, so a wrong copy would time rows that are not what they claim)."""
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,31 @@ def test_cloned_decode_run_times_full_decode_steps_of_every_row(ckpt):
     assert r["ms_per_step"] > 0 and 0 < r["busy"] <= 1 and r["prefill_tokens_per_s"] == 300 / r["prefill_s"]
     args = llm.engine.runner.model.args
     assert args.n_activated_experts <= r["experts_per_layer"] <= args.n_routed_experts
+
+
+@pytest.mark.parametrize("zos", [True, False])
+def test_the_timed_window_opens_with_a_step_in_flight_under_zos(ckpt, monkeypatch, zos):
+    """After the caller's synchronize no step is in flight, so a window opened at once would return from its first
+    call without waiting and N calls would hold N - 1 steps of the device (bench_slice.py's 4-step windows read
+    8.4 ms for a 10.4 ms step on an H100): under ZOS timed_decode runs one step before it reads the clock."""
+    import types
+
+    import bench_decode
+
+    llm = LLM(ckpt, tracer=bench_decode.SpanTracer(), num_kv_blocks=64, max_num_seqs=2, enable_zos=zos)
+    engine = llm.engine
+    for i in range(2):
+        engine.add_request(PROMPT[:40], SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True))
+    while engine.tracer.kinds.get(engine.scheduler.step - 1) != ("decode", 2):
+        engine.step()
+    calls, step = [], engine.step
+    monkeypatch.setattr(engine, "step", lambda: calls.append("step") or step())
+    clock = types.SimpleNamespace(perf_counter_ns=lambda: calls.append("clock") or time.perf_counter_ns())
+    monkeypatch.setattr(bench_decode, "time", clock)
+    bench_decode.timed_decode(engine, 2, 3)
+    llm.engine.shutdown()
+    assert calls[:calls.index("clock")] == (["step"] if zos else []), calls
+    assert calls.count("clock") == 2 and calls[calls.index("clock") + 1:][:4] == ["step"] * 3 + ["clock"]
 
 
 def test_the_routed_experts_probe_counts_each_layers_distinct_picks_on_the_same_rows(ckpt):

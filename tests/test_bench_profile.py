@@ -106,7 +106,8 @@ def test_the_b200_estimate_scales_the_experts_by_what_the_profiled_step_read(tmp
     for name, count in (("uniform", None), ("counted", 29.0)):
         d = dict(decode, **({} if count is None else {"experts_per_layer": count}))
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({"weight_GB": 57.15, "profile": dict(batch=64, context=4096, decode=d)}))
+        path.write_text(json.dumps({"hardware": "NVIDIA H200", "weight_GB": 57.15,
+                                    "profile": dict(batch=64, context=4096, decode=d)}))
         monkeypatch.setattr(sys, "argv", ["estimate_b200.py", str(path), "--context", "4096"])
         estimate_b200.main()
         runs[name] = capsys.readouterr().out
@@ -119,3 +120,35 @@ def test_the_b200_estimate_scales_the_experts_by_what_the_profiled_step_read(tmp
     experts, total = map(float, issue(runs["counted"]))
     assert abs(experts - 40 * 0.75 * 3.250 * 132 / 148) < 0.05  # 40 layers x (5.25 ms / 7) x the count's scale
     assert abs(total - (step(runs["counted"]) + experts * (1 - 148 / 132 * 4.8 / 8.0))) < 0.1
+
+
+def test_the_b200_estimate_scales_by_the_profiled_gpus_bandwidth_and_refuses_an_unknown_one(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """The profile's hardware name picks the bandwidth the B200's is set against: the same kernel times from an
+    H100 (3.35 TB/s) stand for a B200 step 3.35/4.8 of what they would from an H200 (4.8 TB/s), the exchange
+    aside; a GPU it does not know is one sentence asking for --profiled-bw and --profiled-sms."""
+    import json
+
+    import estimate_b200
+
+    layers = [dict(layer=i, ratio=r, engram_ms=0.0, attention_ms=0.3, rest_ms=1.0, total_ms=1.3)
+              for i, r in enumerate((0, 0, 2, 2, 1, 1, 1))]
+    decode = dict(device_ms=12.0, graph_ms_per_step=12.0, layers=layers, experts_per_layer=29.0,
+                  top=[dict(name="_gate_up_kernel", ms=3.5), dict(name="_down_kernel", ms=1.75)])
+    steps = {}
+    for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"):
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({"hardware": gpu, "weight_GB": 57.15,
+                                    "profile": dict(batch=64, context=4096, decode=decode)}))
+        monkeypatch.setattr(sys, "argv", ["estimate_b200.py", str(path), "--context", "4096"])
+        try:
+            estimate_b200.main()
+        except SystemExit as e:
+            steps[gpu] = str(e.code)
+            continue
+        out = capsys.readouterr().out
+        steps[gpu] = float(re.search(r"\*\*([\d.]+) ms\*\*", out).group(1))
+        assert f"Profiled on {gpu.removeprefix('NVIDIA ')}" in out
+    exchange = 40 * (2 * 0.02 + 3 * 64 * 5120 * 6 / 900e9 * 1e3) + 2 * 2 * 0.02  # the EP exchange, not scaled
+    assert abs((steps["NVIDIA H100 80GB HBM3"] - exchange) / (steps["NVIDIA H200"] - exchange) - 3.35 / 4.8) < 0.01
+    assert "A100-SXM4-80GB" in steps["NVIDIA A100-SXM4-80GB"] and "--profiled-bw" in steps["NVIDIA A100-SXM4-80GB"]
