@@ -123,9 +123,11 @@ def bench_moe(moe: MoE, batches: list[int], prefill: int, iters: int, device: st
 
 
 def dense_shapes(args) -> list[tuple[int, int]]:
-    """The slice's FP8 linears (out x in): wq_a, wq_b, wkv, wo_b, the shared expert's w1 (and w3) and w2."""
+    """The slice's FP8 linears (out x in): wq_a, wq_b, wkv, wo_b, the shared expert's w1 (and w3) and w2, and
+    Engram's wkv."""
     d, inter = args.dim, args.moe_inter_dim
-    return [(1280, d), (args.n_heads * args.head_dim, 1280), (512, d), (d, 8192), (inter, d), (d, inter)]
+    return [(1280, d), (args.n_heads * args.head_dim, 1280), (512, d), (d, 8192), (inter, d), (d, inter),
+            (d * (args.hc_mult + 1), args.n_hash_cols * args.engram_head_dim)]
 
 
 def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> None:
@@ -174,7 +176,8 @@ MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, S=sp, B=bits, num_warps=w, num_s
 # (BM, BN, BK, warps, swap): swap computes the product transposed, the decoded weight the dot's first operand
 DENSE_SWEEP = {"decode": [(16, 64, 256, 4, False), (16, 64, 256, 4, True), (16, 128, 256, 4, True),
                           (16, 128, 128, 8, True), (32, 64, 256, 4, True), (64, 64, 256, 4, True),
-                          (64, 64, 128, 4, True), (64, 128, 128, 4, True), (64, 128, 256, 8, True)],
+                          (64, 64, 128, 4, True), (64, 128, 128, 4, True), (64, 128, 256, 8, True),
+                          (64, 128, 128, 8, True), (64, 128, 64, 8, True)],
                "prefill": [(128, 128, 64, 8, False), (128, 256, 64, 8, False), (64, 128, 64, 4, False),
                            (128, 128, 128, 8, False)]}
 

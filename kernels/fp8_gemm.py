@@ -174,7 +174,7 @@ def config(M: int, N: int, K: int) -> tuple[int, int, int, int, bool, int]:
         BM, BN, BK, warps, swap = 16, 64, 256, 4, False
     elif M <= 64:  # one block of rows transposed: each weight tile decoded once, not once per 16 rows; at 64
         # rows 213 -> 143 us over a slice layer's seven linears; 128 weight rows a program on 8 warps where
-        # there are at least 2,048 (wq_b 35 -> 25 us, Engram's wkv 81 -> 67, wo_b 38 -> 33), 64 on 4 below
+        # there are at least 2,048 (wq_b 35 -> 25 us, 25,600 x 4,096 81 -> 67, wo_b 38 -> 33), 64 on 4 below
         # (wq_a, wkv: 1-13% faster so) (H100, benchmarks/RESULTS.md)
         BM, BK, swap = 64, 128, True
         BN, warps = (128, 8) if N >= 2048 else (64, 4)
