@@ -221,9 +221,9 @@ def test_fp4_moe_split_over_k_matches_the_official_loop(S):
 @needs_interpreter
 def test_fp4_moe_in_the_dots_slot_order_matches_the_official_loop():
     """cfg KS=1 walks each group's K in the dot's slot order (`_slot_k`, a permutation of the 32, x's rows read
-    in the same order): the official loop's outputs within the tolerance above, the K-order kernel's within its
-    sums' order, and both decodes in that order give the same bits. A slot order that x did not follow would pair
-    other products (checked: these fail)."""
+    in the same order; decode's default): the official loop's outputs within the tolerance above, the K-order
+    kernel's (KS=0) within its sums' order, and both decodes in that order give the same bits. A slot order that
+    x did not follow would pair other products (checked: these fail)."""
     E, D, inter, N, k = 8, 64, 96, 9, 3
     from kernels.quant import act_quant_fp8
 
@@ -232,8 +232,8 @@ def test_fp4_moe_in_the_dots_slot_order_matches_the_official_loop():
     x, weights, ids, shared = moe_inputs(N, k, E, D, seed=213)
     xq = act_quant_fp8(x, 32)
     want = fp4_moe.moe_reference(x, weights, ids, w13, s13, w2, s2, 10.0, shared)
-    k_order, slots = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0)
-    slot_order, _ = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(KS=1))
+    k_order, slots = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(KS=0))  # K order
+    slot_order, _ = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(KS=1))  # decode's default
     torch.testing.assert_close(fp4_moe.combine(slot_order, slots, shared), want, rtol=0,
                                atol=2**-5 * want.abs().max().item())
     torch.testing.assert_close(slot_order.float(), k_order.float(), rtol=2**-6, atol=2**-5 * k_order.abs().max().item())
