@@ -31,11 +31,11 @@ FP4 decode, by bit patterns (the default): each byte becomes one 32-bit word hol
 bit patterns (the magnitude bits at bf16 bits 6-8, the sign at bit 15: the e2m1 value times 2^-126 exactly,
 code 1's 0.5 landing on the bf16 subnormal 2^-127), then one bf16 multiply by 2^(s-1) for the group's e8m0
 byte s (exact: a power of two; finite up to s = 128, BIT_DECODE_MAX_SCALE, which moe_forward checks once).
-About 6 instructions a byte (a shared-memory load, two multiplies, two masks, the scale's multiply; the word's
-halves become the two bf16 values through a PTX register split, valid on every architecture); the e4m3 decode
-(cfg B=0: the codes' bits onto e4m3 bits, a value times 2^-6, through kernels/fp8_gemm.py's e4m3 decode, then an
-fp32 multiply and a bf16 cast) took about 23, and the kernel is bound by issuing them: 1.5x longer at 64 decode
-rows on an H200 (benchmarks/RESULTS.md). An
+About 6 instructions a byte (its shared-memory load, or its extract from a loaded word under KS=1, two
+multiplies, two masks, the scale's multiply; the word's halves become the two bf16 values through a PTX register
+split, valid on every architecture); the e4m3 decode (cfg B=0: the codes' bits onto e4m3 bits, a value times
+2^-6, through kernels/fp8_gemm.py's e4m3 decode, then an fp32 multiply and a bf16 cast) took about 23, and the
+kernel is bound by issuing them: 1.5x longer at 64 decode rows on an H200 (benchmarks/RESULTS.md). An
 iteration's U scales a row are one word (U divides the groups of both GEMMs; it is halved until it does).
 K is walked one scale group (32 values, 16 bytes a row) a dot. The decoded weight is the dot's first
 operand, which a tensor-core dot takes from registers (wgmma on sm_90; Triton picks the instruction for each
