@@ -7,9 +7,9 @@ quant.py with a bf16 tensor written and read back between them:
 - the index keys: k_norm, RoPE, FP4 sim per 32 with ue8m0 scales (`Indexer.keys`);
 - the index queries: RoPE, FP4 sim per 32 with ue8m0 scales (`Indexer.queries`);
 - the compressed entries: RoPE on a copy, FP4 sim per 16 with e4m3 scales (`compressed_kv`).
-Here a program takes ROWS rows through the three steps: each step writes its rounded result to the output
-and the next reads it back after a barrier, so each step is the separate kernel's own code on the same tile
-shapes (kernels/norm.py's [ROWS, D] rows, kernels/rope.py's pairs, kernels/quant.py's groups).
+Here a program takes ROWS rows through the three steps (`rows_a_program`): each step writes its rounded result
+to the output and the next reads it back after a barrier, so each step is the separate kernel's own code on
+tiles of whole rows (kernels/norm.py's [ROWS, D] rows, kernels/rope.py's pairs, kernels/quant.py's groups).
 
 Numerics: those of the three kernels in turn (the norm within fp32 rounding of the torch path, RoPE within
 an fp32 ulp, the quantisation exact from its input), each result rounded to the row's dtype as the torch
@@ -71,12 +71,22 @@ def applies(x: torch.Tensor, rope_dim: int, block: int) -> bool:
             and rope_dim <= D and pow2(block) and D % block == 0)
 
 
+def rows_a_program(n: int, D: int) -> int:
+    """Rows of D a program takes, of n: kernels/norm.py's (up to 64, 4,096 values) for a prefill chunk's rows,
+    fewer for a decode step's, so its launch has one program per 256 rows or more: each program's three steps
+    are round trips through memory one after another, and at tiny-68m's 64 decode rows 32 rows a program made
+    2 programs of 6.6 us (the window latent), 1 row 64 programs of 2.2 us; the index queries (512 rows of 64)
+    7.3 -> 1.9 us at 2 rows (H100, benchmarks/RESULTS.md). A row's values do not depend on the rows beside it:
+    the same bits at any count (tests/gpu)."""
+    return max(1, min(64, 4096 // D, 1 << max(0, (n // 256).bit_length() - 1)))
+
+
 def norm_rope_quant(x: torch.Tensor, norm, freqs: torch.Tensor, rope_dim: int, quant: str,
-                    block: int) -> torch.Tensor:
+                    block: int, rows: int | None = None) -> torch.Tensor:
     """A new tensor: x [..., D] (rows of D; with a head dim [..., S, H, D] the freqs broadcast over it),
     RMS-normalised by `norm` (an RMSNorm: its weight and eps; None: not), its last `rope_dim` values rotated
     by freqs (complex [..., S, R/2]), then quantised: quant "fp8" (e4m3, ue8m0 scales), "ue8m0" or "e4m3"
-    (FP4 with that scale format) per `block` values. x's dtype out."""
+    (FP4 with that scale format) per `block` values. x's dtype out. `rows` overrides `rows_a_program` (tests)."""
     D = x.size(-1)
     weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     x2 = x.contiguous().view(-1, D)
@@ -85,7 +95,7 @@ def norm_rope_quant(x: torch.Tensor, norm, freqs: torch.Tensor, rope_dim: int, q
     heads = n // max(f.numel() // rope_dim, 1)
     fmt = FMT_FP8 if quant == "fp8" else _FORMATS[quant]
     out = torch.empty_like(x2)
-    rows = max(1, min(64, 4096 // D))  # kernels/norm.py's rows a program
+    rows = rows or rows_a_program(n, D)
     if n:
         _latent_kernel[(triton.cdiv(n, rows),)](x2, weight if weight is not None else x2, f, out, n, heads, eps, D=D,
                                                R=rope_dim, NORM=weight is not None, FMT=fmt, QB=block,

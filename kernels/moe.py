@@ -204,7 +204,7 @@ def use_tensor_cores(N: int, weight: torch.Tensor, batch_invariant: bool) -> boo
 def gate_tiles(N: int, E: int, tc: bool = False) -> tuple[int, int, int, int, int]:
     """(rows, experts, d a step, warps, stages) a program of the gate's logits for N rows of E experts, on the
     tensor cores (`tc`) or by FMA chains, by the shape only: the fastest of H200 sweeps (benchmarks/RESULTS.md,
-    bench_fp4.py --gate-sweep) at the slice's 384 x 5,120 and tiny-68m's 16 x 512 for 64, 256 and 8,192 rows.
+    bench_fp4.py --gate-sweep) at the slice's 384 x 5,120 and tiny-68m's 16 x 128 for 64, 256 and 8,192 rows.
     Few rows want many programs (16 experts each) and long steps of d; a prefill chunk of 8,192 rows wants the
     weight read few times (128 experts a program). Up to ROUTE_EXPERTS experts one program holds them all."""
     every = max(16, triton.next_power_of_2(E)) if E <= ROUTE_EXPERTS else None
@@ -214,6 +214,8 @@ def gate_tiles(N: int, E: int, tc: bool = False) -> tuple[int, int, int, int, in
         return (64, every, 64, 4, 3) if every else (128, 128, 16, 8, 4)
     if N > 16 and every is None:  # 64 decode rows of the slice's 384 experts: 91 -> 50 us (H100, the best of 14)
         return (64, 16, 256, 4, 3) if N > 64 else (32, 32, 128, 4, 3)
+    if N <= 64 and every is not None and every <= 32:  # tiny-68m's 64 decode rows of 16: 7.5 -> 3.7 us (H100)
+        return 8, every, 128, 2, 1
     return 16, every or 16, 256, 4, 3
 
 

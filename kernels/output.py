@@ -73,19 +73,29 @@ def applies(o: torch.Tensor, wo_a: torch.Tensor, rope_dim: int) -> bool:
             and wo_a.is_contiguous())
 
 
-def rope_wo_a(o: torch.Tensor, freqs: torch.Tensor, wo_a: torch.Tensor, rope_dim: int) -> torch.Tensor:
+def tiles(M: int, rank: int, K: int) -> tuple[int, int, int, int]:
+    """(rows, outputs, K a step, warps) a program for M rows, by the shape only. A decode step's (M <= 64) takes
+    a group's K in one step and 32 outputs a program: at tiny-68m's 64 rows (K 256, rank 64) 10.2 -> 3.1 us
+    against 64 and 64 (four dependent steps, half the programs; H100, benchmarks/RESULTS.md). The same bits at
+    any of them: an output's products are summed on the tensor cores in K order, step after step."""
+    if M <= 64:
+        return 16, min(32, triton.next_power_of_2(rank)), min(256, triton.next_power_of_2(K)), 4
+    return 64, min(64, triton.next_power_of_2(rank)), min(64, triton.next_power_of_2(K)), 4
+
+
+def rope_wo_a(o: torch.Tensor, freqs: torch.Tensor, wo_a: torch.Tensor, rope_dim: int,
+              tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """o [..., H, D] bf16 (left as it is), freqs complex [..., R/2] (each row's position), wo_a [G, r, H·D/G]
-    -> [..., G·r] bf16: wo_a of the inverse-rotated o, group by group (see the module docstring)."""
+    -> [..., G·r] bf16: wo_a of the inverse-rotated o, group by group (see the module docstring). `tile`
+    overrides `tiles` (tests)."""
     lead, (H, D) = o.shape[:-2], o.shape[-2:]
     G, rank, K = wo_a.shape
     M = o.numel() // (H * D)
     f = torch.view_as_real(freqs).reshape(M, rope_dim)  # (cos, sin) pairs
     out = torch.empty(M, G * rank, dtype=o.dtype, device=o.device)
     if M:
-        block_m = 16 if M <= 64 else 64
-        block_n = min(64, triton.next_power_of_2(rank))
-        block_k = min(64, triton.next_power_of_2(K))
+        block_m, block_n, block_k, warps = tile or tiles(M, rank, K)
         grid = (triton.cdiv(M, block_m), triton.cdiv(rank, block_n), G)
         _rope_wo_a_kernel[grid](o, f.contiguous(), wo_a, out, M, rank, HD=H * D, K=K, D=D, R=rope_dim,
-                                BF16=o.is_cuda, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                                BF16=o.is_cuda, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out.view(*lead, G * rank)

@@ -285,6 +285,8 @@ def test_compiled_rope_wo_a_matches_the_rope_kernel_and_the_grouped_gemm(M, H, D
     K = H * D // G
     wo_a = (torch.randn(G, rank, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
     got = output_kernel.rope_wo_a(o, freqs, wo_a, R)
+    for tile in ((16, 64, 64, 4), (64, 64, 64, 4), (16, 16, 256, 2)):  # the tiles take no part in the bits
+        assert torch.equal(output_kernel.rope_wo_a(o, freqs, wo_a, R, tile), got)
     rotated = o.clone()
     rope_kernel.apply_rope(rotated[..., -R:], freqs, inverse=True)
     want = torch.einsum("mgk,grk->mgr", rotated.view(M, G, K), wo_a).flatten(1)
@@ -764,6 +766,8 @@ def test_compiled_norm_rope_quant_gives_the_separate_kernels_bits(case, name):
         norm.weight.data = torch.randn(D, device="cuda", generator=g).bfloat16()
     quant, block = {"window_kv": ("fp8", 32), "compressed_kv": ("e4m3", 16)}.get(case, ("ue8m0", 32))
     got = latent_kernel.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block)
+    for rows in (2, 8, max(1, min(64, 4096 // D))):  # the rows a program take no part in a row's bits
+        assert torch.equal(latent_kernel.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block, rows), got)
     y = norm_kernel.rms_norm(x, norm.weight, args.norm_eps) if norm is not None else x.clone()
     rope_kernel.apply_rope(y[..., -args.rope_head_dim:], freqs)
     y = quant_kernel.act_quant_fp8(y, block) if quant == "fp8" else quant_kernel.act_quant_fp4(y, block, quant)
