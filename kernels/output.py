@@ -74,10 +74,11 @@ def applies(o: torch.Tensor, wo_a: torch.Tensor, rope_dim: int) -> bool:
 
 
 def tiles(M: int, rank: int, K: int) -> tuple[int, int, int, int]:
-    """(rows, outputs, K a step, warps) a program for M rows, by the shape only. A decode step's (M <= 64) takes
-    a group's K in one step and 32 outputs a program: at tiny-68m's 64 rows (K 256, rank 64) 10.2 -> 3.1 us
-    against 64 and 64 (four dependent steps, half the programs; H100, benchmarks/RESULTS.md). The same bits at
-    any of them: an output's products are summed on the tensor cores in K order, step after step."""
+    """(rows, outputs, K a step, warps) a program for M rows, by the shape only. A decode step's (M <= 64) walks
+    a group's K in steps of 256 (tiny-68m's whole group) with 32 outputs a program: at tiny-68m's 64 rows (K 256,
+    rank 64) 10.2 -> 3.1 us against steps of 64 and 64 outputs (four dependent steps, half the programs; H100,
+    benchmarks/RESULTS.md). The same bits at any of them: an output's products are summed on the tensor cores
+    in K order, step after step (tests/gpu)."""
     if M <= 64:
         return 16, min(32, triton.next_power_of_2(rank)), min(256, triton.next_power_of_2(K)), 4
     return 64, min(64, triton.next_power_of_2(rank)), min(64, triton.next_power_of_2(K)), 4
