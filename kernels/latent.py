@@ -72,8 +72,8 @@ def applies(x: torch.Tensor, rope_dim: int, block: int) -> bool:
 
 
 def rows_a_program(n: int, D: int) -> int:
-    """Rows of D a program takes, of n: kernels/norm.py's (up to 64, 4,096 values) for a prefill chunk's rows,
-    fewer for a decode step's, so its launch has one program per 256 rows or more: each program's three steps
+    """Rows of D a program takes, of n: kernels/norm.py's (up to 64, 4,096 values) for the largest launches,
+    fewer below 256 x that, so a launch has one program per 256 rows or more: each program's three steps
     are round trips through memory one after another, and at tiny-68m's 64 decode rows 32 rows a program made
     2 programs of 6.6 us (the window latent), 1 row 64 programs of 2.2 us; the index queries (512 rows of 64)
     7.3 -> 1.9 us at 2 rows (H100, benchmarks/RESULTS.md). A row's values do not depend on the rows beside it:
