@@ -855,3 +855,45 @@ def test_the_head_kernel_serves_wide_heads_outside_the_invariant_mode_only(monke
             want = invariant.linear(m.norm(hc.hc_pre(h, pre)).float(), m.head.weight)
             assert bool(want.isfinite().all()) and torch.equal(m.logits(h, pre), want)
     assert seen == [False, True]
+
+
+@needs_interpreter
+def test_decode_launch_shapes_reach_the_launch_and_take_no_part_in_the_values(monkeypatch):
+    """A decode step's small launches get more programs (issue #20 item 5: each program's steps are round trips
+    through memory one after another): kernels/latent.py `rows_a_program` a program per 256 rows or more,
+    kernels/output.py `tiles` 32 outputs a program and K in steps of up to 256 at <= 64 rows, kernels/moe.py
+    `gate_tiles` 8 rows a program at <= 64 rows of <= 32 experts; prefill keeps its tiles. The overrides reach the
+    launch's grid, and the rows a program and the outputs a program leave every value as it was (tests/gpu: the
+    same bits compiled, also for the K step)."""
+    from kernels import latent as latent_kernel, moe as moe_kernel, output as output_kernel
+    from model.rope import rope_table
+
+    assert [latent_kernel.rows_a_program(n, D) for n, D in ((64, 128), (512, 64), (8192, 64), (1 << 14, 64),
+                                                             (8192, 512))] == [1, 2, 32, 64, 8]
+    assert output_kernel.tiles(64, 64, 256) == (16, 32, 256, 4) and output_kernel.tiles(65, 64, 256) == (64, 64, 64, 4)
+    assert moe_kernel.gate_tiles(64, 16) == (8, 16, 128, 2, 1) and moe_kernel.gate_tiles(65, 16)[0] == 16
+    grids = []
+
+    def spied(kernel):
+        class Spy:
+            def __getitem__(self, grid):
+                grids.append(grid)
+                return kernel[grid]
+        return Spy()
+
+    monkeypatch.setattr(latent_kernel, "_latent_kernel", spied(latent_kernel._latent_kernel))
+    monkeypatch.setattr(output_kernel, "_rope_wo_a_kernel", spied(output_kernel._rope_wo_a_kernel))
+    args = preset("micro")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, args.head_dim, generator=g).bfloat16() * 3
+    freqs = rope_table(args, 0)[torch.randint(0, 1000, (12,), generator=g)]
+    outs = [latent_kernel.norm_rope_quant(x, None, freqs, args.rope_head_dim, "fp8", 32, rows) for rows in (None, 4, 8)]
+    assert [grid[0] for grid in grids] == [12, 3, 2]
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    grids.clear()
+    o = torch.randn(12, 4, 32, generator=g).bfloat16()
+    wo_a = (torch.randn(2, 48, 64, generator=g) * 0.1).bfloat16()
+    f = rope_table(args, 0)[torch.randint(0, 1000, (12,), generator=g)][:, :4]
+    outs = [output_kernel.rope_wo_a(o, f, wo_a, 8, tile) for tile in (None, (16, 64, 64, 4), (16, 16, 64, 4))]
+    assert [grid[1] for grid in grids] == [2, 1, 3]
+    assert all(torch.equal(out, outs[0]) for out in outs)
