@@ -78,6 +78,7 @@ OFF_PATH = {
     "kernels/engram.py": "Triton fast path of model/engram.py's hashes, table lookup and gate (CUDA)",
     "kernels/latent.py": "Triton fast path of model/attention.py's norm, RoPE and quantisation of a latent (CUDA)",
     "kernels/paged.py": "Triton fast path of the runner's step inputs and model/paged.py's addresses (CUDA)",
+    "kernels/compressor.py": "Triton fast path of model/paged.py's compressor step at decode (CUDA)",
     "kernels/output.py": "Triton fast path of model/attention.py's inverse RoPE and grouped wo_a (CUDA)",
 }
 

@@ -10,6 +10,8 @@ quant.py with a bf16 tensor written and read back between them:
 Here a program takes ROWS rows through the three steps (`rows_a_program`): each step writes its rounded result
 to the output and the next reads it back after a barrier, so each step is the separate kernel's own code on
 tiles of whole rows (kernels/norm.py's [ROWS, D] rows, kernels/rope.py's pairs, kernels/quant.py's groups).
+With `store_at` the last step also writes each row to its place in a paged table (model/paged.py: a decode
+row's window ring, a kv source's compressed entries and index keys), in place of an index_put launch after it.
 
 Numerics: those of the three kernels in turn (the norm within fp32 rounding of the torch path, RoPE within
 an fp32 ulp, the quantisation exact from its input), each result rounded to the row's dtype as the torch
@@ -28,8 +30,9 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
-    def _latent_kernel(x_ptr, w_ptr, f_ptr, out_ptr, n_rows, heads, eps, D: tl.constexpr, R: tl.constexpr,
-                       NORM: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr):
+    def _latent_kernel(x_ptr, w_ptr, f_ptr, out_ptr, t_ptr, i_ptr, j_ptr, t_stride_i, t_stride_j, n_rows, heads, eps,
+                       D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr,
+                       ROWS: tl.constexpr, STORE: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of D values; freqs row: row // heads
         live = rows < n_rows
         cols = tl.arange(0, D)
@@ -60,15 +63,21 @@ if triton is not None:
         y = _quantise(tl.load(out_ptr + goffs, mask=glive, other=0.0).to(tl.float32), FMT)
         tl.debug_barrier()  # every group read before any is overwritten
         tl.store(out_ptr + goffs, y.to(out_ptr.dtype.element_ty), mask=glive)
+        if STORE:  # the same values to row (i, j) of the table too: table[i, j] = out
+            row = g // (D // QB)
+            i = tl.load(i_ptr + row, mask=g < n_rows * (D // QB), other=0).to(tl.int64)
+            j = tl.load(j_ptr + row, mask=g < n_rows * (D // QB), other=0).to(tl.int64)
+            toffs = (i * t_stride_i + j * t_stride_j + (g % (D // QB)) * QB)[:, None] + tl.arange(0, QB)[None, :]
+            tl.store(t_ptr + toffs, y.to(t_ptr.dtype.element_ty), mask=glive)
 
 
-def applies(x: torch.Tensor, rope_dim: int, block: int) -> bool:
+def applies(x: torch.Tensor, rope_dim: int, block: int, store_at: tuple | None = None) -> bool:
     """CUDA; a power-of-two row of at least 32 with a contiguous last dim; R and the quantisation block
-    powers of two that divide it."""
+    powers of two that divide it. `store_at` (None, or `stores_to`'s table, i, j) as `norm_rope_quant` takes it."""
     D = x.size(-1)
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     return (triton is not None and x.is_cuda and x.stride(-1) == 1 and pow2(D) and D >= 32 and pow2(rope_dim)
-            and rope_dim <= D and pow2(block) and D % block == 0)
+            and rope_dim <= D and pow2(block) and D % block == 0 and (store_at is None or stores_to(*store_at, x)))
 
 
 def rows_a_program(n: int, D: int) -> int:
@@ -81,12 +90,21 @@ def rows_a_program(n: int, D: int) -> int:
     return max(1, min(64, 4096 // D, 1 << max(0, (n // 256).bit_length() - 1)))
 
 
+def stores_to(table: torch.Tensor, i: torch.Tensor, j: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether `norm_rope_quant` can write x's rows [..., D] to table[i, j] as well ([A, B, D], x's dtype, on x's
+    device, last dim contiguous; i and j one index a row, no head dim)."""
+    return (table.dim() == 3 and table.size(-1) == x.size(-1) and table.stride(-1) == 1 and table.dtype == x.dtype
+            and table.device == x.device and i.shape == j.shape == x.shape[:-1])
+
+
 def norm_rope_quant(x: torch.Tensor, norm, freqs: torch.Tensor, rope_dim: int, quant: str,
-                    block: int, rows: int | None = None) -> torch.Tensor:
+                    block: int, rows: int | None = None, store_at: tuple | None = None) -> torch.Tensor:
     """A new tensor: x [..., D] (rows of D; with a head dim [..., S, H, D] the freqs broadcast over it),
     RMS-normalised by `norm` (an RMSNorm: its weight and eps; None: not), its last `rope_dim` values rotated
     by freqs (complex [..., S, R/2]), then quantised: quant "fp8" (e4m3, ue8m0 scales), "ue8m0" or "e4m3"
-    (FP4 with that scale format) per `block` values. x's dtype out. `rows` overrides `rows_a_program` (tests)."""
+    (FP4 with that scale format) per `block` values. x's dtype out. `rows` overrides `rows_a_program` (tests).
+    `store_at` (table, i, j) (`stores_to`): the launch also writes table[i, j] = the result, as index_put would
+    (which of several rows sent to one (i, j) lands there is not fixed: the callers send only trash rows so)."""
     D = x.size(-1)
     weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     x2 = x.contiguous().view(-1, D)
@@ -96,8 +114,15 @@ def norm_rope_quant(x: torch.Tensor, norm, freqs: torch.Tensor, rope_dim: int, q
     fmt = FMT_FP8 if quant == "fp8" else _FORMATS[quant]
     out = torch.empty_like(x2)
     rows = rows or rows_a_program(n, D)
+    if store_at is not None:
+        table, i, j = store_at
+        assert stores_to(table, i, j, x), "store_at: a [A, B, D] table of x's dtype and an (i, j) a row"
+        i, j = i.contiguous(), j.contiguous()
+        table_at = (table, i, j, table.stride(0), table.stride(1))
+    else:
+        table_at = (out, out, out, 0, 0)  # not read (STORE off)
     if n:
-        _latent_kernel[(triton.cdiv(n, rows),)](x2, weight if weight is not None else x2, f, out, n, heads, eps, D=D,
-                                               R=rope_dim, NORM=weight is not None, FMT=fmt, QB=block,
-                                               ROWS=rows)
+        _latent_kernel[(triton.cdiv(n, rows),)](x2, weight if weight is not None else x2, f, out, *table_at, n, heads,
+                                               eps, D=D, R=rope_dim, NORM=weight is not None, FMT=fmt, QB=block,
+                                               ROWS=rows, STORE=store_at is not None)
     return out.view(x.shape)

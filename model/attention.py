@@ -51,16 +51,21 @@ def rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.T
 
 
 def norm_rope_quant(x: torch.Tensor, norm: "RMSNorm | None", freqs: torch.Tensor, rope_dim: int, quant: str,
-                    block: int) -> torch.Tensor:
+                    block: int, store_at: tuple | None = None) -> torch.Tensor:
     """A new tensor: x normed (norm None: not), its last rope_dim values rotated (spec §2.2), then the FP8
     (quant "fp8") or FP4 (scale format "ue8m0" or "e4m3") sim per `block` values; x is left as it is.
-    With the fused launches on (FUSED_LAUNCHES, CUDA): one launch (kernels/latent.py); else the ops in turn."""
-    if use_fused(x) and latent_kernel.applies(x, rope_dim, block):
-        return latent_kernel.norm_rope_quant(x, norm, freqs, rope_dim, quant, block)
+    `store_at` (table, i, j): the result also goes to table[i, j] (a paged cache's rows; i, j index x's rows).
+    With the fused launches on (FUSED_LAUNCHES, CUDA): one launch (kernels/latent.py), the store in its last
+    step; else the ops in turn and an index_put."""
+    if use_fused(x) and latent_kernel.applies(x, rope_dim, block, store_at):
+        return latent_kernel.norm_rope_quant(x, norm, freqs, rope_dim, quant, block, store_at=store_at)
     x = x.clone() if norm is None else norm(x)
     rope(x[..., -rope_dim:], freqs)
     quantise = quant_kernel if use_kernels(x) else model_quant  # CUDA: the same bits in one launch
-    return quantise.act_quant_fp8(x, block) if quant == "fp8" else quantise.act_quant_fp4(x, block, quant)
+    x = quantise.act_quant_fp8(x, block) if quant == "fp8" else quantise.act_quant_fp4(x, block, quant)
+    if store_at is not None:
+        store_at[0][store_at[1:]] = x  # table[i, j] = x
+    return x
 
 
 class Linear(nn.Module):
@@ -138,9 +143,10 @@ class Indexer(nn.Module):
         # one constant, formed in double precision and rounded once (spec §2.7)
         self.weight_scale = args.index_head_dim ** -0.5 * args.index_n_heads ** -0.5
 
-    def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """Index keys of new entries: latent bf16 [B,E,D] (pre-RoPE), freqs at positions j·r -> [B,E,Di]."""
-        return norm_rope_quant(self.wk(latent), self.k_norm, freqs, self.rope_dim, "ue8m0", 32)
+    def keys(self, latent: torch.Tensor, freqs: torch.Tensor, store_at: tuple | None = None) -> torch.Tensor:
+        """Index keys of new entries: latent bf16 [B,E,D] (pre-RoPE), freqs at positions j·r -> [B,E,Di];
+        `store_at` as in `norm_rope_quant`."""
+        return norm_rope_quant(self.wk(latent), self.k_norm, freqs, self.rope_dim, "ue8m0", 32, store_at)
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor):
         """-> (q [B,S,Hi,Di] FP4-sim bf16, head weights [B,S,Hi] bf16)."""
@@ -245,9 +251,10 @@ class Attention(nn.Module):
             rope(q[..., -self.rope_dim:], freqs)
         return qr, q
 
-    def window_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """The window latent [B,S,D]: kv_norm(x·wkvᵀ), RoPE, then FP8-sim over the whole vector."""
-        return norm_rope_quant(self.wkv(x), self.kv_norm, freqs, self.rope_dim, "fp8", 32)
+    def window_kv(self, x: torch.Tensor, freqs: torch.Tensor, store_at: tuple | None = None) -> torch.Tensor:
+        """The window latent [B,S,D]: kv_norm(x·wkvᵀ), RoPE, then FP8-sim over the whole vector; `store_at` as
+        in `norm_rope_quant`."""
+        return norm_rope_quant(self.wkv(x), self.kv_norm, freqs, self.rope_dim, "fp8", 32, store_at)
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped low-rank wo_a (block-diagonal, spec §2.9), then wo_b. [B,S,H,D] -> [B,S,d].
@@ -261,9 +268,10 @@ class Attention(nn.Module):
         return self.wo_b(invariant.grouped_linear(o, wo_a).flatten(2))  # einsum bsgd,grd->bsgr
 
 
-def compressed_kv(latent: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    """Compressed entries as stored (spec §2.6): RoPE at j·r on a copy of the latent, then FP4 (e4m3/16)."""
-    return norm_rope_quant(latent, None, freqs, rope_dim, "e4m3", 16)
+def compressed_kv(latent: torch.Tensor, freqs: torch.Tensor, rope_dim: int, store_at=None) -> torch.Tensor:
+    """Compressed entries as stored (spec §2.6): RoPE at j·r on a copy of the latent, then FP4 (e4m3/16);
+    `store_at` as in `norm_rope_quant`."""
+    return norm_rope_quant(latent, None, freqs, rope_dim, "e4m3", 16, store_at)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import attention as attention_kernel, indexer as indexer_kernel, paged as paged_kernel
-from kernels.attention import paged_sparse_attn
+from kernels import attention as attention_kernel, compressor as compressor_kernel, indexer as indexer_kernel, \
+    paged as paged_kernel
 from model.attention import attention_list, compressed_kv, select_entries, sparse_attn, stream, use_attention_kernel, \
     use_fused, use_kernels, window_index
 from model import invariant  # batch-invariant mode (issue #11)
@@ -173,12 +173,14 @@ class PagedModel:
         rope_at_load = use_fused(x) and use_attention_kernel(x, args.head_dim) and \
             attention_kernel.rope_at_load(args.head_dim)
         qr, q = attn.queries(x, None if rope_at_load else freqs)
-        kv = attn.window_kv(x, freqs)
-        capture = shared["capture"]
-        capture(layer, "window_kv", kv)
         # window keys: positions < s from the slot's ring (index p % W), the rest from this chunk (W + p - s)
         if "window" not in cache:
             cache["window"], cache["ring_at"] = self.window_addresses(step)
+        # a decode row's latent goes to its ring as it is made: its slot p % W holds position p - W, which
+        # no query of the step reads (its own lists p - W + 1 .. p); a longer chunk writes after attention
+        kv = attn.window_kv(x, freqs, (self.ring[layer], *cache["ring_at"]) if b.decode else None)
+        capture = shared["capture"]
+        capture(layer, "window_kv", kv)
         idx, ckv_pool = cache["window"], None
         if r:
             n_entries, kv_source = b.context_len // r, args.kv_source_of(layer)
@@ -204,7 +206,8 @@ class PagedModel:
                                                    compressed_len)
             idx = cache["list"]
         o = self.sparse_attn(layer, attn, q, kv, ckv_pool, idx, b, freqs if rope_at_load else None)
-        self.write_ring(layer, kv, step, cache)  # after attention: until then the ring holds the positions before s
+        if not b.decode:  # each row's last min(n, W) latents to its ring at p % W (`window_addresses`), after
+            self.ring[layer][cache["ring_at"]] = kv  # attention: its queries read the positions before s there
         capture(layer, "sparse_attn", o)
         out = attn.output(o, freqs)
         capture(layer, "attn_out", out)
@@ -218,8 +221,8 @@ class PagedModel:
         `q_freqs`: q is without its RoPE, which the kernel applies as it loads q (the fused launches only)."""
         ring = self.ring[layer]  # [slots + 1, W, D]
         if use_attention_kernel(q):
-            return paged_sparse_attn(q, ring, b.state_slots, kv, ckv_pool, b.block_tables, attn.attn_sink, idx,
-                                     attn.softmax_scale, freqs=q_freqs)
+            return attention_kernel.paged_sparse_attn(q, ring, b.state_slots, kv, ckv_pool, b.block_tables,
+                                                      attn.attn_sink, idx, attn.softmax_scale, freqs=q_freqs)
         sources = [ring[b.state_slots], kv]
         if ckv_pool is not None:
             sources.append(stream(ckv_pool, b.block_tables, b.context_len // attn.ratio))
@@ -241,10 +244,6 @@ class PagedModel:
         keep = step.valid & (step.positions >= step.end[:, None] - W)
         return window, (torch.where(keep, b.state_slots[:, None], self.trash_slot), step.positions % W)
 
-    def write_ring(self, layer: int, kv: torch.Tensor, step: _Step, cache: dict) -> None:
-        """Each row's last min(n, W) window latents go to their ring positions p % W (`window_addresses`)."""
-        self.ring[layer][cache["ring_at"]] = kv
-
     def compress(self, block: Block, x: torch.Tensor, step: _Step, cache: dict) -> None:
         """A kv source's new entries (spec §7.3a): pool every group that closes in this chunk, with its
         members before s taken from the slot's tail, then write index keys and compressed KV to blocks.
@@ -258,18 +257,18 @@ class PagedModel:
         a, g = attn.compressor.project(x)  # [B, S, D]
         if g is None:
             latent = attn.compressor.pool(a, None)
+        elif use_fused(x) and not invariant.enabled() and compressor_kernel.applies(a, g, self.tails[layer]):
+            # a decode step's lines below (gathers, pool, norm, tail writes) in one launch, the same bits
+            latent = compressor_kernel.pool_decode(a, g, self.tails[layer], b.state_slots, at, attn.compressor.norm)
         else:
-            tail_a, tail_g = self.tails[layer]
-            members = at["members"]
+            (tail_a, tail_g), members = self.tails[layer], at["members"]
             gather = lambda tail, t: torch.cat([tail[b.state_slots], t], 1)[step.rows[..., None], members]  # noqa: E731
             latent = attn.compressor.pool(gather(tail_a, a), gather(tail_g, g))
             # the members of a group still open at the end of the chunk wait in the tail
             tail_a[at["tail_slots"], at["tail_at"]], tail_g[at["tail_slots"], at["tail_at"]] = a, g
-        keys = attn.indexer.keys(latent, at["freqs"])
-        ckv = compressed_kv(latent, at["freqs"], self.args.rope_head_dim)
-        blocks, entry = at["blocks"], at["entry"]
-        ckv_pool[blocks, entry] = ckv
-        key_pool[blocks, entry] = keys
+        # each entry to its block as it is made (a row's open groups to the trash block)
+        attn.indexer.keys(latent, at["freqs"], (key_pool, at["blocks"], at["entry"]))
+        compressed_kv(latent, at["freqs"], self.args.rope_head_dim, (ckv_pool, at["blocks"], at["entry"]))
 
     def compress_addresses(self, r: int, step: _Step, per_block: int, device) -> dict:
         """compress's addresses at ratio r: each position's group members in [slot's tail | chunk] (`members`),

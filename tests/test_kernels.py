@@ -706,6 +706,75 @@ def test_norm_rope_quant_kernel_matches_the_torch_chain(case):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("case", ["window_kv", "compressed_kv"])
+def test_norm_rope_quant_kernel_stores_its_rows_to_a_paged_table(case):
+    """store_at (table, i, j): the launch writes each result row to table[i, j] as well (model/paged.py's ring
+    at decode, the blocks' entries and index keys), what index_put would write, and leaves the rest of the table
+    and the returned tensor as they were; rows sent to one trash row leave one of them there."""
+    from kernels import latent as latent_kernel
+    from model import attention
+    from model.rope import rope_table
+
+    args = preset("micro")
+    g = torch.Generator().manual_seed(5)
+    D = args.head_dim
+    x = torch.randn(2, 6, D, generator=g).bfloat16() * 3
+    freqs = rope_table(args, 2)[torch.randint(0, 1000, (2, 6), generator=g)]
+    norm = attention.RMSNorm(D, args.norm_eps) if case == "window_kv" else None
+    quant, block = ("fp8", 32) if case == "window_kv" else ("e4m3", 16)
+    table = torch.full((4, 8, D), 7.0).bfloat16()  # 3 slots of 8 rows and the trash slot 3
+    i = torch.tensor([[0, 0, 3, 1, 2, 3], [2, 3, 3, 3, 1, 0]])
+    j = torch.tensor([[0, 5, 1, 7, 2, 1], [6, 1, 1, 1, 0, 3]])
+    plain = latent_kernel.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block)
+    got = latent_kernel.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block, store_at=(table, i, j))
+    assert torch.equal(got, plain)
+    want = torch.full_like(table, 7.0)
+    want[i, j] = got
+    live = i < 3
+    assert torch.equal(table[:3], want[:3]) and torch.equal(table[i[live], j[live]], got[live])
+    assert any(torch.equal(table[3, 1], row) for row in got[i == 3])  # one of the four rows sent to (3, 1)
+    assert torch.equal(table[3, torch.arange(8) != 1], want[3, torch.arange(8) != 1])
+
+
+@needs_interpreter
+def test_compressor_decode_kernel_pools_and_writes_the_tails_as_the_torch_lines():
+    """kernels/compressor.py against model/paged.py's torch lines for decode rows at ratio 2: rows whose
+    group closes (its first member from the tail) and rows that open one (their token into the tail), a
+    member whose gate is still -inf, the trash slot; the tails bit for bit, the latent within the
+    interpreter's truncating bf16 casts (tests/gpu: bit for bit compiled)."""
+    from kernels import compressor as compressor_kernel
+    from model import attention
+
+    args = preset("micro")
+    D, r, slots, trash = args.head_dim, 2, 6, 6
+    g = torch.Generator().manual_seed(2)
+    comp = attention.Compressor(args, 2)
+    comp.norm.weight.data = torch.randn(D, generator=g).bfloat16()
+    positions = torch.tensor([5, 8, 1, 12, 7])
+    state_slots = torch.tensor([3, 0, 5, 1, 2])
+    B = positions.numel()
+    a = torch.randn(B, 1, D, generator=g) * 2
+    gates = torch.randn(B, 1, D, generator=g) * 3
+    tails = (torch.randn(slots + 1, r, D, generator=g), torch.randn(slots + 1, r, D, generator=g))
+    tails[1][5, 0, :8] = -torch.inf  # a member whose projection never came
+    p = positions[:, None]
+    member = p[..., None] - r + 1 + torch.arange(r)  # [B, 1, r]: start = p, so p itself is in this chunk
+    members = torch.where(member >= p[..., None], r + member - p[..., None], member.clamp_min(0) % r)
+    keep = p >= (p + 1) // r * r
+    tail_slots, tail_at = torch.where(keep, state_slots[:, None], trash), p % r
+    at = dict(members=members, tail_slots=tail_slots, tail_at=tail_at)  # model/paged.py compress_addresses
+    want_tails = tuple(t.clone() for t in tails)
+    rows = torch.arange(B)[:, None]
+    gather = lambda tail, t: torch.cat([tail[state_slots], t], 1)[rows[..., None], members]  # noqa: E731
+    want = comp.pool(gather(want_tails[0], a), gather(want_tails[1], gates))
+    want_tails[0][tail_slots, tail_at], want_tails[1][tail_slots, tail_at] = a, gates
+    got = compressor_kernel.pool_decode(a, gates, tails, state_slots, at, comp.norm)
+    assert torch.equal(tails[0], want_tails[0]) and torch.equal(tails[1], want_tails[1])
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=0)  # two bf16 ulps: two truncations
+
+
+@needs_interpreter
 @pytest.mark.parametrize("ratio", [1, 2, 3])  # 3: a ratio that is no power of two
 def test_compress_addresses_kernel_gives_the_torch_tensors(ratio):
     """kernels/paged.py against model/paged.py's torch `compress_addresses`: the same tensors, exactly, on a

@@ -48,15 +48,17 @@ def batches(trace):
 # ---- the faults --------------------------------------------------------------------------------------------
 
 def ring_off_by_one(monkeypatch):
-    """Window ring: after the first wrap, position p is written to (p + 1) % W instead of p % W."""
+    """Window ring: after the first wrap, position p is written to (p + 1) % W instead of p % W (the ring
+    addresses every write takes: a prefill chunk's after attention, a decode row's in its latent's launch)."""
     from model.paged import PagedModel
 
-    def write_ring(self, layer, kv, step, cache):
-        keep = step.valid & (step.positions >= step.end[:, None] - self.args.window_size)
-        slots = torch.where(keep, step.batch.state_slots[:, None], self.trash_slot)
+    original = PagedModel.window_addresses
+
+    def window_addresses(self, step):
+        window, (slots, _) = original(self, step)
         p = step.positions
-        self.ring[layer, slots, torch.where(p >= WINDOW, p + 1, p) % WINDOW] = kv
-    monkeypatch.setattr(PagedModel, "write_ring", write_ring)
+        return window, (slots, torch.where(p >= WINDOW, p + 1, p) % WINDOW)
+    monkeypatch.setattr(PagedModel, "window_addresses", window_addresses)
 
 
 def ring_first_step(trace):

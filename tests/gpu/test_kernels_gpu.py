@@ -744,6 +744,47 @@ def test_compiled_topk_entries_give_the_torch_list(B, S, E, k, fused):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("B", [1, 64, 1000])
+@pytest.mark.parametrize("name", ["tiny-68m", "v41-slice"])
+def test_compiled_compressor_decode_gives_the_torch_lines_bits(B, name):
+    """kernels/compressor.py compiled against model/paged.py's torch lines at decode (torch's softmax, product,
+    sum and cast, kernels/norm.py): the latent and the tails bit for bit, for closing and opening groups,
+    gates at -inf among the members, and the rows a program of 1, 64 and 1,000 rows."""
+    from kernels import compressor as compressor_kernel
+    from model import attention
+
+    args = preset(name)
+    layer = next(i for i in args.kv_source_layers if args.compress_ratios[i] == 2)
+    D, r, trash = args.head_dim, 2, B
+    g = torch.Generator(device="cuda").manual_seed(B)
+    comp = attention.Compressor(args, layer).cuda()
+    comp.norm.weight.data = torch.randn(D, device="cuda", generator=g).bfloat16()
+    positions = torch.randint(1, 100_000, (B,), device="cuda", generator=g)
+    state_slots = torch.randperm(B, device="cuda", generator=g)
+    a = torch.randn(B, 1, D, device="cuda", generator=g) * 4
+    gates = torch.randn(B, 1, D, device="cuda", generator=g) * 6
+    tails = tuple(torch.randn(B + 1, r, D, device="cuda", generator=g) * 4 for _ in range(2))
+    tails[1][::3, :, ::5] = -torch.inf
+    tails[0][::7] = 0.0
+    a[::11] = 0.0  # products that are zero: their sum +0
+    p = positions[:, None]
+    member = p[..., None] - r + 1 + torch.arange(r, device="cuda")
+    members = torch.where(member >= p[..., None], r + member - p[..., None], member.clamp_min(0) % r)
+    keep = p >= (p + 1) // r * r
+    tail_slots, tail_at = torch.where(keep, state_slots[:, None], trash), p % r
+    at = dict(members=members, tail_slots=tail_slots, tail_at=tail_at)  # model/paged.py compress_addresses
+    want_tails = tuple(t.clone() for t in tails)
+    rows = torch.arange(B, device="cuda")[:, None]
+    gather = lambda tail, t: torch.cat([tail[state_slots], t], 1)[rows[..., None], members]  # noqa: E731
+    want = comp.pool(gather(want_tails[0], a), gather(want_tails[1], gates))
+    want_tails[0][tail_slots, tail_at], want_tails[1][tail_slots, tail_at] = a, gates
+    assert compressor_kernel.applies(a, gates, tails)
+    got = compressor_kernel.pool_decode(a, gates, tails, state_slots, at, comp.norm)
+    assert torch.equal(tails[0][:B], want_tails[0][:B]) and torch.equal(tails[1][:B], want_tails[1][:B])
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+        f"{(got != want).sum().item()} of {got.numel()} values differ"
+
+
 @pytest.mark.parametrize("case", ["window_kv", "index_keys", "index_queries", "compressed_kv"])
 @pytest.mark.parametrize("name", ["tiny-68m", "v41-slice"])
 def test_compiled_norm_rope_quant_gives_the_separate_kernels_bits(case, name):
@@ -768,6 +809,13 @@ def test_compiled_norm_rope_quant_gives_the_separate_kernels_bits(case, name):
     got = latent_kernel.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block)
     for rows in (2, 8, max(1, min(64, 4096 // D))):  # the rows a program take no part in a row's bits
         assert torch.equal(latent_kernel.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block, rows), got)
+        if heads is None:  # store_at: the same rows to table[i, j] too (model/paged.py's ring and blocks)
+            table = torch.zeros(65, 4, D, device="cuda", dtype=x.dtype)
+            i, j = torch.arange(64, device="cuda")[:, None].expand(64, 3), torch.arange(3, device="cuda").expand(64, 3)
+            stored = latent_kernel.norm_rope_quant(x, norm, freqs, args.rope_head_dim, quant, block, rows,
+                                                   store_at=(table, i, j))
+            assert torch.equal(stored, got) and torch.equal(table[:64, :3], got) and not table[:, 3:].any()
+            assert not table[64].any()
     y = norm_kernel.rms_norm(x, norm.weight, args.norm_eps) if norm is not None else x.clone()
     rope_kernel.apply_rope(y[..., -args.rope_head_dim:], freqs)
     y = quant_kernel.act_quant_fp8(y, block) if quant == "fp8" else quant_kernel.act_quant_fp4(y, block, quant)
