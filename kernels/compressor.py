@@ -30,11 +30,10 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
-    def _member(here_ptr, tail_ptr, rows, slot, m, live, cols, D: tl.constexpr):
-        """Member m of each row's group from [tail (2 rows of D) | this token]: fp32 [ROWS, D]."""
+    def _member(here, tail_ptr, slot, m, live, cols, D: tl.constexpr):
+        """Member m of each row's group from [tail (2 rows of D) | this token's `here`]: fp32 [ROWS, D]."""
         in_tail = (m < 2)[:, None] & live[:, None]
         from_tail = tl.load(tail_ptr + (slot * 2 + m)[:, None] * D + cols[None, :], mask=in_tail, other=0.0)
-        here = tl.load(here_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
         return tl.where(in_tail, from_tail, here)
 
     @triton.jit
@@ -44,13 +43,16 @@ if triton is not None:
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] decode rows, one token each
         live = rows < n_rows
         cols = tl.arange(0, D)
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        a_here = tl.load(a_ptr + offs, mask=live[:, None], other=0.0)  # this token's projections
+        g_here = tl.load(g_ptr + offs, mask=live[:, None], other=0.0)
         slot = tl.load(slots_ptr + rows, mask=live, other=0).to(tl.int64)
         m0 = tl.load(members_ptr + rows * 2, mask=live, other=2).to(tl.int64)
         m1 = tl.load(members_ptr + rows * 2 + 1, mask=live, other=2).to(tl.int64)
-        a0 = _member(a_ptr, tail_a_ptr, rows, slot, m0, live, cols, D)
-        a1 = _member(a_ptr, tail_a_ptr, rows, slot, m1, live, cols, D)
-        g0 = _member(g_ptr, tail_g_ptr, rows, slot, m0, live, cols, D)
-        g1 = _member(g_ptr, tail_g_ptr, rows, slot, m1, live, cols, D)
+        a0 = _member(a_here, tail_a_ptr, slot, m0, live, cols, D)
+        a1 = _member(a_here, tail_a_ptr, slot, m1, live, cols, D)
+        g0 = _member(g_here, tail_g_ptr, slot, m0, live, cols, D)
+        g1 = _member(g_here, tail_g_ptr, slot, m1, live, cols, D)
         # softmax over the two members per channel, then the weighted sum (model/attention.py Compressor.pool);
         # compiled, libdevice's expf (tl.exp is an ex2.approx) and products that ptxas may not fuse into the add
         top = tl.maximum(g0, g1)
@@ -70,15 +72,12 @@ if triton is not None:
         mean = tl.div_rn(tl.sum(x * x, axis=1), tl.full([], D, tl.float32))
         y = x * tl.div_rn(1.0, tl.sqrt_rn(mean + eps))[:, None]
         w = tl.load(w_ptr + cols).to(tl.float32)
-        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
         tl.store(out_ptr + offs, (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=live[:, None])
         tl.debug_barrier()  # every member read before this token's projections go into the tail
         tail = (tl.load(tail_slots_ptr + rows, mask=live, other=0).to(tl.int64) * 2 +
                 tl.load(tail_at_ptr + rows, mask=live, other=0).to(tl.int64))[:, None] * D + cols[None, :]
-        here = tl.load(a_ptr + offs, mask=live[:, None], other=0.0)
-        tl.store(tail_a_ptr + tail, here, mask=live[:, None])
-        here = tl.load(g_ptr + offs, mask=live[:, None], other=0.0)
-        tl.store(tail_g_ptr + tail, here, mask=live[:, None])
+        tl.store(tail_a_ptr + tail, a_here, mask=live[:, None])
+        tl.store(tail_g_ptr + tail, g_here, mask=live[:, None])
 
 
 def applies(a: torch.Tensor, g: torch.Tensor | None, tails: tuple[torch.Tensor, torch.Tensor]) -> bool:

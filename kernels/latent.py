@@ -59,16 +59,15 @@ if triton is not None:
         G: tl.constexpr = ROWS * D // QB
         g = tl.program_id(0) * G + tl.arange(0, G)
         goffs = g.to(tl.int64)[:, None] * QB + tl.arange(0, QB)[None, :]
-        glive = (g < n_rows * (D // QB))[:, None]
-        y = _quantise(tl.load(out_ptr + goffs, mask=glive, other=0.0).to(tl.float32), FMT)
+        glive = g < n_rows * (D // QB)
+        y = _quantise(tl.load(out_ptr + goffs, mask=glive[:, None], other=0.0).to(tl.float32), FMT)
         tl.debug_barrier()  # every group read before any is overwritten
-        tl.store(out_ptr + goffs, y.to(out_ptr.dtype.element_ty), mask=glive)
+        tl.store(out_ptr + goffs, y.to(out_ptr.dtype.element_ty), mask=glive[:, None])
         if STORE:  # the same values to row (i, j) of the table too: table[i, j] = out
-            row = g // (D // QB)
-            i = tl.load(i_ptr + row, mask=g < n_rows * (D // QB), other=0).to(tl.int64)
-            j = tl.load(j_ptr + row, mask=g < n_rows * (D // QB), other=0).to(tl.int64)
+            i = tl.load(i_ptr + g // (D // QB), mask=glive, other=0).to(tl.int64)
+            j = tl.load(j_ptr + g // (D // QB), mask=glive, other=0).to(tl.int64)
             toffs = (i * t_stride_i + j * t_stride_j + (g % (D // QB)) * QB)[:, None] + tl.arange(0, QB)[None, :]
-            tl.store(t_ptr + toffs, y.to(t_ptr.dtype.element_ty), mask=glive)
+            tl.store(t_ptr + toffs, y.to(t_ptr.dtype.element_ty), mask=glive[:, None])
 
 
 def applies(x: torch.Tensor, rope_dim: int, block: int, store_at: tuple | None = None) -> bool:

@@ -736,6 +736,23 @@ def test_norm_rope_quant_kernel_stores_its_rows_to_a_paged_table(case):
     assert torch.equal(table[3, torch.arange(8) != 1], want[3, torch.arange(8) != 1])
 
 
+def compressor_decode_case(comp, positions, state_slots, a, gates, tails, trash: int):
+    """One-token rows at `positions` (each its chunk's start) through a ratio-2 compressor: the addresses
+    model/paged.py compress_addresses gives them ("members", "tail_slots", "tail_at"), and what its torch
+    lines make of them: the latent and the tails after the step (copies; `tails` is left as it is)."""
+    r, p = 2, positions[:, None]
+    member = p[..., None] - r + 1 + torch.arange(r, device=p.device)  # [B, 1, r]: p itself is in this chunk
+    members = torch.where(member >= p[..., None], r + member - p[..., None], member.clamp_min(0) % r)
+    keep = p >= (p + 1) // r * r  # the group p opens stays open
+    at = dict(members=members, tail_slots=torch.where(keep, state_slots[:, None], trash), tail_at=p % r)
+    want_tails = tuple(t.clone() for t in tails)
+    rows = torch.arange(p.size(0), device=p.device)[:, None]
+    gather = lambda tail, t: torch.cat([tail[state_slots], t], 1)[rows[..., None], members]  # noqa: E731
+    want = comp.pool(gather(want_tails[0], a), gather(want_tails[1], gates))
+    want_tails[0][at["tail_slots"], at["tail_at"]], want_tails[1][at["tail_slots"], at["tail_at"]] = a, gates
+    return at, want, want_tails
+
+
 @needs_interpreter
 def test_compressor_decode_kernel_pools_and_writes_the_tails_as_the_torch_lines():
     """kernels/compressor.py against model/paged.py's torch lines for decode rows at ratio 2: rows whose
@@ -746,28 +763,16 @@ def test_compressor_decode_kernel_pools_and_writes_the_tails_as_the_torch_lines(
     from model import attention
 
     args = preset("micro")
-    D, r, slots, trash = args.head_dim, 2, 6, 6
+    D, slots = args.head_dim, 6
     g = torch.Generator().manual_seed(2)
     comp = attention.Compressor(args, 2)
     comp.norm.weight.data = torch.randn(D, generator=g).bfloat16()
-    positions = torch.tensor([5, 8, 1, 12, 7])
-    state_slots = torch.tensor([3, 0, 5, 1, 2])
-    B = positions.numel()
-    a = torch.randn(B, 1, D, generator=g) * 2
-    gates = torch.randn(B, 1, D, generator=g) * 3
-    tails = (torch.randn(slots + 1, r, D, generator=g), torch.randn(slots + 1, r, D, generator=g))
+    positions, state_slots = torch.tensor([5, 8, 1, 12, 7]), torch.tensor([3, 0, 5, 1, 2])
+    a = torch.randn(positions.numel(), 1, D, generator=g) * 2
+    gates = torch.randn(positions.numel(), 1, D, generator=g) * 3
+    tails = (torch.randn(slots + 1, 2, D, generator=g), torch.randn(slots + 1, 2, D, generator=g))
     tails[1][5, 0, :8] = -torch.inf  # a member whose projection never came
-    p = positions[:, None]
-    member = p[..., None] - r + 1 + torch.arange(r)  # [B, 1, r]: start = p, so p itself is in this chunk
-    members = torch.where(member >= p[..., None], r + member - p[..., None], member.clamp_min(0) % r)
-    keep = p >= (p + 1) // r * r
-    tail_slots, tail_at = torch.where(keep, state_slots[:, None], trash), p % r
-    at = dict(members=members, tail_slots=tail_slots, tail_at=tail_at)  # model/paged.py compress_addresses
-    want_tails = tuple(t.clone() for t in tails)
-    rows = torch.arange(B)[:, None]
-    gather = lambda tail, t: torch.cat([tail[state_slots], t], 1)[rows[..., None], members]  # noqa: E731
-    want = comp.pool(gather(want_tails[0], a), gather(want_tails[1], gates))
-    want_tails[0][tail_slots, tail_at], want_tails[1][tail_slots, tail_at] = a, gates
+    at, want, want_tails = compressor_decode_case(comp, positions, state_slots, a, gates, tails, trash=slots)
     got = compressor_kernel.pool_decode(a, gates, tails, state_slots, at, comp.norm)
     assert torch.equal(tails[0], want_tails[0]) and torch.equal(tails[1], want_tails[1])
     assert got.shape == want.shape and got.dtype == want.dtype

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_engine import SAMPLED, assert_same_tokens, prompts  # noqa: E402
+from test_kernels import compressor_decode_case  # noqa: E402
 
 import model.hc as hc  # noqa: E402
 from engine import LLM  # noqa: E402
@@ -755,7 +756,7 @@ def test_compiled_compressor_decode_gives_the_torch_lines_bits(B, name):
 
     args = preset(name)
     layer = next(i for i in args.kv_source_layers if args.compress_ratios[i] == 2)
-    D, r, trash = args.head_dim, 2, B
+    D = args.head_dim
     g = torch.Generator(device="cuda").manual_seed(B)
     comp = attention.Compressor(args, layer).cuda()
     comp.norm.weight.data = torch.randn(D, device="cuda", generator=g).bfloat16()
@@ -763,21 +764,11 @@ def test_compiled_compressor_decode_gives_the_torch_lines_bits(B, name):
     state_slots = torch.randperm(B, device="cuda", generator=g)
     a = torch.randn(B, 1, D, device="cuda", generator=g) * 4
     gates = torch.randn(B, 1, D, device="cuda", generator=g) * 6
-    tails = tuple(torch.randn(B + 1, r, D, device="cuda", generator=g) * 4 for _ in range(2))
+    tails = tuple(torch.randn(B + 1, 2, D, device="cuda", generator=g) * 4 for _ in range(2))
     tails[1][::3, :, ::5] = -torch.inf
     tails[0][::7] = 0.0
     a[::11] = 0.0  # products that are zero: their sum +0
-    p = positions[:, None]
-    member = p[..., None] - r + 1 + torch.arange(r, device="cuda")
-    members = torch.where(member >= p[..., None], r + member - p[..., None], member.clamp_min(0) % r)
-    keep = p >= (p + 1) // r * r
-    tail_slots, tail_at = torch.where(keep, state_slots[:, None], trash), p % r
-    at = dict(members=members, tail_slots=tail_slots, tail_at=tail_at)  # model/paged.py compress_addresses
-    want_tails = tuple(t.clone() for t in tails)
-    rows = torch.arange(B, device="cuda")[:, None]
-    gather = lambda tail, t: torch.cat([tail[state_slots], t], 1)[rows[..., None], members]  # noqa: E731
-    want = comp.pool(gather(want_tails[0], a), gather(want_tails[1], gates))
-    want_tails[0][tail_slots, tail_at], want_tails[1][tail_slots, tail_at] = a, gates
+    at, want, want_tails = compressor_decode_case(comp, positions, state_slots, a, gates, tails, trash=B)
     assert compressor_kernel.applies(a, gates, tails)
     got = compressor_kernel.pool_decode(a, gates, tails, state_slots, at, comp.norm)
     assert torch.equal(tails[0][:B], want_tails[0][:B]) and torch.equal(tails[1][:B], want_tails[1][:B])
