@@ -721,6 +721,8 @@ def test_norm_rope_quant_kernel_stores_its_rows_to_a_paged_table(case):
     x = torch.randn(2, 6, D, generator=g).bfloat16() * 3
     freqs = rope_table(args, 2)[torch.randint(0, 1000, (2, 6), generator=g)]
     norm = attention.RMSNorm(D, args.norm_eps) if case == "window_kv" else None
+    if norm is not None:  # its weight is torch.empty's until set
+        norm.weight.data = torch.randn(D, generator=g).bfloat16()
     quant, block = ("fp8", 32) if case == "window_kv" else ("e4m3", 16)
     table = torch.full((4, 8, D), 7.0).bfloat16()  # 3 slots of 8 rows and the trash slot 3
     i = torch.tensor([[0, 0, 3, 1, 2, 3], [2, 3, 3, 3, 1, 0]])
