@@ -15,7 +15,8 @@ CUDA graph: benchmarks/RESULTS.md).
 
 The pipeline, all on the device with no host synchronisation (a CUDA graph captures it):
 1. `plan`: the N·k (row, slot) pairs sorted by expert (stable), cut into tiles of BM pairs of one expert;
-   a fixed upper bound of tiles (cdiv(N·k, BM) + min(E, N·k)), the unused ones marked dead (-1).
+   a fixed upper bound of tiles (cdiv(N·k, BM) + min(E, N·k)), the unused ones marked dead (-1). One launch at
+   a decode step's pair counts (`_plan_kernel`), torch's ops (a stable sort) at a prefill chunk's.
 2. `_gate_up_kernel`: per (block of inter, tile), gather the tile's rows of x (FP8-quantised, act_quant),
    w1 and w3 products (w1's and w3's rows interleaved in one tile: one accumulator), each rounded to bf16 as
    the GEMM output of spec §5 step 1, then the clamps, silu(g)·u and the routing weight in fp32
@@ -231,6 +232,52 @@ if triton is not None:
                 tl.store(at, _round_bf16(acc, BF16), mask=live[None, :] & n_live[:, None])
 
     @triton.jit
+    def _plan_kernel(ids_ptr, pairs_ptr, tiles_ptr, slots_ptr, P, E, T, K: tl.constexpr, BM: tl.constexpr,
+                     BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+        """`plan`'s values for BLOCK pairs and BLOCK tiles a program. Each program counts every pair by expert
+        (a histogram, CHUNK pairs at a time: P is a decode step's few hundred to PLAN_PAIRS), so no program waits
+        on another; a pair's sorted row is its expert's first row plus the pairs of its expert before it (the
+        stable sort); its row's slot is the number of the row's ids below its own (the ids of a row are distinct
+        experts); a tile's expert is the number of experts whose tiles end at or before it (torch.searchsorted,
+        right)."""
+        pid = tl.program_id(0)
+        ex = tl.arange(0, BLOCK_E)
+        counts = tl.zeros([BLOCK_E], tl.int32)
+        for q0 in range(0, P, CHUNK):
+            q = q0 + tl.arange(0, CHUNK)
+            counts += tl.histogram(tl.load(ids_ptr + q, mask=q < P, other=BLOCK_E - 1).to(tl.int32), BLOCK_E)
+        counts = tl.where(ex < E, counts, 0)  # bin BLOCK_E - 1 > E - 1 took the chunks' dead lanes
+        ends = tl.cumsum(counts, 0)
+        n_tiles = (counts + BM - 1) // BM
+        tile_ends = tl.cumsum(n_tiles, 0)
+        # this program's pairs
+        p = pid * BLOCK + tl.arange(0, BLOCK)
+        live = p < P
+        e_p = tl.load(ids_ptr + p, mask=live, other=0).to(tl.int32)
+        rank = tl.zeros([BLOCK], tl.int32)
+        for q0 in range(0, tl.minimum(pid * BLOCK + BLOCK, P), CHUNK):
+            q = q0 + tl.arange(0, CHUNK)
+            e_q = tl.load(ids_ptr + q, mask=q < P, other=-1).to(tl.int32)
+            rank += tl.sum(((e_q[None, :] == e_p[:, None]) & (q[None, :] < p[:, None])).to(tl.int32), axis=1)
+        position = tl.gather(ends - counts, e_p, 0) + rank
+        tl.store(pairs_ptr + position, p.to(tl.int64), mask=live)
+        j = tl.arange(0, BLOCK_K)
+        row_ids = tl.load(ids_ptr + (p // K)[:, None] * K + j[None, :], mask=live[:, None] & (j < K)[None, :],
+                          other=BLOCK_E).to(tl.int32)
+        below = tl.sum((row_ids < e_p[:, None]).to(tl.int32), axis=1)
+        tl.store(slots_ptr + (p // K) * K + below, position.to(tl.int64), mask=live)
+        # this program's tiles
+        t = pid * BLOCK + tl.arange(0, BLOCK)
+        e_t = tl.sum(((tile_ends[None, :] <= t[:, None]) & (ex < E)[None, :]).to(tl.int32), axis=1)
+        ec = tl.minimum(e_t, E - 1)
+        row0 = tl.gather(ends - counts, ec, 0) + (t - tl.gather(tile_ends - n_tiles, ec, 0)) * BM
+        end = tl.minimum(row0 + BM, tl.gather(ends, ec, 0))
+        at = tiles_ptr + 3 * t
+        tl.store(at, tl.where(e_t < E, e_t, -1).to(tl.int64), mask=t < T)
+        tl.store(at + 1, row0.to(tl.int64), mask=t < T)
+        tl.store(at + 2, end.to(tl.int64), mask=t < T)
+
+    @triton.jit
     def _combine_kernel(out_ptr, slots_ptr, shared_ptr, y_ptr, D, TOPK: tl.constexpr, BF16: tl.constexpr,
                         BD: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
@@ -266,12 +313,31 @@ def config(pairs: int, experts: int) -> dict:
     return dict(BM=128, BN=64, U=2, num_warps=4, num_stages=3)  # the best of 11 at 8,192 rows
 
 
-def plan(ids: torch.Tensor, n_experts: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# Up to this many (row, slot) pairs `plan` is one launch (`_plan_kernel`, a decode step's), beyond it torch's ops:
+# each of the launch's programs counts every pair.
+PLAN_PAIRS = 4096
+
+
+def plan(ids: torch.Tensor, n_experts: int, BM: int, one_launch: bool | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [N, k] -> (pairs [N·k]: pair indices n·k + slot sorted by expert; tiles int64 [T, 3]: (expert or -1,
     first sorted row, end row) for T = cdiv(N·k, BM) + min(E, N·k); slots [N, k]: each row's sorted rows in
-    ascending expert id). Device ops only, fixed shapes."""
+    ascending expert id). Device ops only, fixed shapes: up to PLAN_PAIRS pairs on CUDA one launch
+    (`_plan_kernel`; `one_launch` overrides the choice), else ~30 torch ops (a stable sort among them); the same
+    values. A row's ids are distinct experts (the gate's top-k)."""
     N, k = ids.shape
     P, E = N * k, n_experts
+    if one_launch if one_launch is not None else (ids.is_cuda and P <= PLAN_PAIRS):
+        T = triton.cdiv(P, BM) + min(E, P)
+        dev = ids.device
+        pairs, tiles = torch.empty(P, dtype=torch.int64, device=dev), torch.empty(T, 3, dtype=torch.int64, device=dev)
+        slots = torch.empty(N, k, dtype=torch.int64, device=dev)
+        if P:
+            block = 64
+            _plan_kernel[(triton.cdiv(max(P, T), block),)](
+                ids.contiguous(), pairs, tiles, slots, P, E, T, K=k, BM=BM, BLOCK=block,
+                BLOCK_E=triton.next_power_of_2(E + 1), BLOCK_K=triton.next_power_of_2(k), CHUNK=128, num_warps=4)
+        return pairs, tiles, slots
     flat = ids.reshape(-1)
     pairs = torch.sort(flat, stable=True).indices
     counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))

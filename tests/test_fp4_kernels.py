@@ -130,6 +130,26 @@ def test_the_plan_tiles_every_pair_once_by_expert():
     assert torch.equal(position[pairs], torch.arange(pairs.numel()))
 
 
+def plan_case(N: int, E: int, k: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """Top-k ids [N, k] over E experts with one expert in half the rows (several tiles of it) and the rest random."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(N, E, device=device, generator=g)
+    scores[: N // 2, 7 % E] = 2.0
+    return scores.topk(k, dim=-1).indices
+
+
+@needs_interpreter
+@pytest.mark.parametrize("N,E,k,BM", [(1, 384, 6, 16), (64, 384, 6, 16), (341, 384, 6, 16), (40, 16, 4, 16),
+                                      (300, 16, 4, 64), (0, 16, 4, 16)])  # 341 x 6 = 2,046 pairs: 32 programs
+def test_the_plans_one_launch_gives_the_torch_ops_values(N, E, k, BM):
+    """plan's one launch (`_plan_kernel`) against its torch ops: pairs, tiles (dead ones included) and slots equal."""
+    ids = plan_case(N, E, k, seed=N + E)
+    got = fp4_moe.plan(ids, E, BM, one_launch=True)
+    want = fp4_moe.plan(ids, E, BM, one_launch=False)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_stacking_fp4_experts_keeps_the_parameters_as_views():
     """kernels/fp4_moe.py fp4_stacked: the experts' parameters become views into the stacked bytes (no second
     copy), with their names, shapes, dtypes and values; an in-place change is seen through the stack."""

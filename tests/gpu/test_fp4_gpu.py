@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from test_fp4_kernels import within_fp32_sum_and_bf16_rounding  # noqa: E402
+from test_fp4_kernels import plan_case, within_fp32_sum_and_bf16_rounding  # noqa: E402
 
 from kernels import fp4_moe, fp8_gemm  # noqa: E402
 from kernels.quant import act_quant_fp8  # noqa: E402
@@ -92,6 +92,14 @@ def test_compiled_fp4_decodes_give_the_same_bits(N, experts):
     want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(B=0))
     got, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("N,BM", [(1, 16), (64, 16), (256, 16), (682, 16), (64, 64)])  # 682 x 6: PLAN_PAIRS's
+def test_the_plans_one_launch_gives_the_torch_ops_values(N, BM):
+    """plan's one launch, compiled, against its torch ops at the slice's 384 experts: pairs, tiles and slots."""
+    ids = plan_case(N, 384, 6, seed=N, device="cuda")
+    for got, want in zip(fp4_moe.plan(ids, 384, BM, one_launch=True), fp4_moe.plan(ids, 384, BM, one_launch=False)):
+        assert torch.equal(got, want)
 
 
 def test_grouped_moe_over_fp4_experts_matches_the_masked_path():
