@@ -54,6 +54,7 @@ try:  # Triton ships Linux wheels only; elsewhere model/moe.py's torch path is t
     import triton.language as tl
 
     from kernels.fp8_gemm import _dot, _e4m3_values, _round_bf16, _e8m0_values, hw_fp8, sum_parts
+    from kernels.quant import _quantise
 except ImportError:
     triton = None
 
@@ -278,6 +279,20 @@ if triton is not None:
         tl.store(at + 2, end.to(tl.int64), mask=t < T)
 
     @triton.jit
+    def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, limit, BF16: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        """A row's BLOCK hidden values of the shared expert from w1's and w3's bf16 outputs: the clamped SwiGLU
+        (`_swiglu_hidden`, no routing weight: times 1.0, exact), rounded to bf16, then w2's act_quant (FP8 per
+        32 values, kernels/quant.py's `_quantise`): the bits of Expert.forward's lines and w2's act_quant launch."""
+        r = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(g_ptr + r * stride_g + n, mask=n < I, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r * stride_u + n, mask=n < I, other=0.0).to(tl.float32)
+        hidden = _swiglu_hidden(g, u, 1.0, limit, BF16).to(tl.float32)
+        q = tl.reshape(_quantise(tl.reshape(hidden, (BLOCK // 32, 32)), 0), (BLOCK,))  # I is whole groups of 32
+        tl.store(out_ptr + r * I + n, q.to(tl.bfloat16), mask=n < I)
+
+    @triton.jit
     def _combine_kernel(out_ptr, slots_ptr, shared_ptr, y_ptr, D, TOPK: tl.constexpr, BF16: tl.constexpr,
                         BD: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
@@ -488,7 +503,44 @@ def fp4_stacked(ffn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 def moe_forward(ffn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Routed + shared output [N, d] in x's dtype, for x bf16 [N, d]: the FP4 experts through
     kernels/fp4_moe.py (only the selected experts' weights read, decoded in registers), the shared
-    expert (FP8) through its FP8Linears, the sum in the official order rounded once."""
+    expert (FP8) through its FP8 products (`shared_expert`), the sum in the official order rounded once.
+    x is quantised once for both: the routed experts' act_quant and the shared expert's FP8Linears' take the
+    same groups of 32 (GROUP, model/quant.py WEIGHT_TILE)."""
+    from kernels.quant import act_quant_fp8
+
     stacked = fp4_stacked(ffn)
     cfg = None if ffn._stacked[5] else dict(B=0)  # a scale above 2^1: the codes decoded through e4m3
-    return moe(x, weights, ids, *stacked, ffn.shared_experts.limit, ffn.shared_experts(x), cfg=cfg)
+    if not x.size(0):
+        return torch.empty_like(x)
+    xq = act_quant_fp8(x, GROUP)
+    out, slots = routed_experts(xq, weights, ids, *stacked, ffn.shared_experts.limit, cfg=cfg)
+    return combine(out, slots, shared_expert(ffn.shared_experts, x, xq))
+
+
+def shared_expert(expert, x: torch.Tensor, xq: torch.Tensor | None = None) -> torch.Tensor:
+    """model/moe.py Expert.forward of the shared expert (no routing weight) for x bf16 [N, d] on CUDA, its
+    FP8Linears' path (kernels/fp8_gemm.py) in fewer launches and the same bits: x quantised once for w1 and w3
+    (each FP8Linear quantised it again; `xq`, its act_quant per 32, if the caller has it), the clamped SwiGLU and
+    w2's act_quant in one launch (`_swiglu_quant_kernel`, where the torch lines took seven and the act_quant
+    one). Other storage: Expert.forward."""
+    from kernels.fp8_gemm import fp8_gemm
+    from kernels.quant import act_quant_fp8
+    from model.quant import WEIGHT_TILE
+
+    if any(lin.weight.dtype != torch.float8_e4m3fn for lin in (expert.w1, expert.w2, expert.w3)) or not x.size(0):
+        return expert(x)
+    xq = act_quant_fp8(x, WEIGHT_TILE) if xq is None else xq
+    g, u = fp8_gemm(xq, expert.w1.weight, expert.w1.scale), fp8_gemm(xq, expert.w3.weight, expert.w3.scale)
+    return fp8_gemm(swiglu_quant(g, u, expert.limit), expert.w2.weight, expert.w2.scale)
+
+
+def swiglu_quant(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """w1's and w3's bf16 outputs [N, I] (I whole groups of 32) -> the shared expert's hidden after w2's
+    act_quant, bf16 [N, I], in one launch (`_swiglu_quant_kernel`)."""
+    N, I = g.shape
+    hidden = torch.empty(N, I, dtype=torch.bfloat16, device=g.device)
+    block = min(256, triton.next_power_of_2(I))
+    if N:
+        _swiglu_quant_kernel[(N, triton.cdiv(I, block))](g, u, hidden, I, g.stride(0), u.stride(0), float(limit),
+                                                          BF16=g.is_cuda, BLOCK=block)
+    return hidden

@@ -9,6 +9,7 @@ fp32 sum of K terms in any order is within K·2^-24·Σ|terms| of the exact one 
 rounding adds half an ulp (2^-9 relative). Under the interpreter the kernels also round to bf16 on the bits
 (its cast truncates) and dot in fp32 (it has no bf16 matmul): the same values as the compiled bf16 MMA.
 """
+import inspect
 import os
 
 import pytest
@@ -150,6 +151,49 @@ def test_the_plans_one_launch_gives_the_torch_ops_values(N, E, k, BM):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def fp8_shared_expert(dim: int, inter: int, seed: int, device: str = "cpu"):
+    """model/moe.py Expert with FP8Linears (model/released.py) of random codes and block scales, limit 10."""
+    from model.moe import Expert
+    from model.released import FP8Linear
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    expert = Expert(dim, inter, 10.0)
+    for name, (n_in, n_out) in (("w1", (dim, inter)), ("w3", (dim, inter)), ("w2", (inter, dim))):
+        lin = FP8Linear(n_in, n_out)
+        lin.weight.data, lin.scale.data = quantize_fp8_tiles(torch.randn(n_out, n_in, device=device, generator=g)
+                                                             * n_in ** -0.5)
+        setattr(expert, name, lin)
+    return expert
+
+
+@needs_interpreter
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_the_shared_experts_swiglu_and_quant_launch_matches_the_torch_lines(limit):
+    """`_swiglu_quant_kernel` against Expert.forward's lines and w2's act_quant (model/quant.py): the same values
+    but where the interpreter's silu (an fp64 exp) and torch's CPU one differ by an fp32 ulp that the roundings
+    keep (at most one e4m3 step: tests/gpu compares the compiled launch bit for bit)."""
+    g = torch.Generator().manual_seed(3)
+    gate, up = ((torch.randn(5, 96, generator=g) * 8).bfloat16() for _ in range(2))  # past the clamps
+    got = fp4_moe.swiglu_quant(gate, up, limit)
+    u, gf = up.float(), gate.float()
+    if limit:
+        u, gf = u.clamp(-limit, limit), gf.clamp(max=limit)
+    want = act_quant_fp8((torch.nn.functional.silu(gf) * u).bfloat16(), 32)
+    assert got.dtype == torch.bfloat16 and (got == want).float().mean() > 0.99
+    torch.testing.assert_close(got, want, rtol=2 ** -3, atol=0)
+
+
+@needs_interpreter
+def test_the_shared_expert_in_fewer_launches_matches_expert_forward():
+    """kernels/fp4_moe.py shared_expert (x quantised once, the SwiGLU and w2's act_quant in one launch) against
+    Expert.forward's torch path (CPU): three FP8 products, so within a few percent overall (tests/gpu: the
+    same bits as the CUDA FP8Linears); w1 and w3 swapped, or no clamp, are far outside it."""
+    expert = fp8_shared_expert(64, 96, seed=5)
+    x = (torch.randn(7, 64, generator=torch.Generator().manual_seed(6)) * 4).bfloat16()
+    got, want = fp4_moe.shared_expert(expert, x).float(), expert(x).float()
+    assert (got - want).norm() / want.norm() < 0.02
+
+
 def test_stacking_fp4_experts_keeps_the_parameters_as_views():
     """kernels/fp4_moe.py fp4_stacked: the experts' parameters become views into the stacked bytes (no second
     copy), with their names, shapes, dtypes and values; an in-place change is seen through the stack."""
@@ -201,7 +245,8 @@ def test_scales_past_the_bit_decodes_range_take_the_e4m3_decode(monkeypatch):
         p.data.view(torch.uint8).zero_()
     seen = []
     real = fp4_moe.routed_experts
-    monkeypatch.setattr(fp4_moe, "routed_experts", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    cfg_of = lambda *a, **k: inspect.signature(real).bind(*a, **k).arguments.get("cfg")
+    monkeypatch.setattr(fp4_moe, "routed_experts", lambda *a, **k: seen.append(cfg_of(*a, **k)) or real(*a, **k))
     x, weights, ids, _ = moe_inputs(5, args.n_activated_experts, args.n_routed_experts, args.dim, seed=3)
     x = x.bfloat16()
     fp4_moe.moe_forward(moe, x, weights, ids)

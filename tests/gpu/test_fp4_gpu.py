@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from test_fp4_kernels import plan_case, within_fp32_sum_and_bf16_rounding  # noqa: E402
+from test_fp4_kernels import fp8_shared_expert, plan_case, within_fp32_sum_and_bf16_rounding  # noqa: E402
 
 from kernels import fp4_moe, fp8_gemm  # noqa: E402
 from kernels.quant import act_quant_fp8  # noqa: E402
@@ -100,6 +100,30 @@ def test_the_plans_one_launch_gives_the_torch_ops_values(N, BM):
     ids = plan_case(N, 384, 6, seed=N, device="cuda")
     for got, want in zip(fp4_moe.plan(ids, 384, BM, one_launch=True), fp4_moe.plan(ids, 384, BM, one_launch=False)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("N", [1, 64, 256, 2048])  # 2,048: a prefill chunk (fp8_gemm's dequantised product)
+def test_the_shared_expert_in_fewer_launches_gives_the_fp8_linears_bits(N):
+    """shared_expert at the slice's widths against Expert.forward through the FP8Linears' CUDA path, bit for bit."""
+    expert = fp8_shared_expert(5120, 2304, seed=N, device="cuda")
+    x = (torch.randn(N, 5120, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)) * 2).bfloat16()
+    assert torch.equal(fp4_moe.shared_expert(expert, x), expert(x))
+
+
+@pytest.mark.parametrize("N", [1, 64, 2048])
+def test_moe_forward_quantising_x_once_gives_the_same_bits(N):
+    """moe_forward (x quantised once for the routed and the shared experts, the shared expert in fewer launches)
+    against `moe` with the shared expert through its own FP8Linears, on the micro model in the released storage."""
+    from model.config import preset
+    from model.slice import build_slice
+
+    model, _ = build_slice(preset("micro"), seed=0, device="cuda")
+    moe = model.layers[3].ffn
+    x = (torch.randn(N, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)) * 2).bfloat16()
+    with torch.inference_mode():
+        weights, ids = moe.gate(x)
+        want = fp4_moe.moe(x, weights, ids, *fp4_moe.fp4_stacked(moe), moe.shared_experts.limit, moe.shared_experts(x))
+        assert torch.equal(fp4_moe.moe_forward(moe, x, weights, ids), want)
 
 
 def test_grouped_moe_over_fp4_experts_matches_the_masked_path():
