@@ -55,6 +55,7 @@ try:  # Triton ships Linux wheels only; elsewhere model/moe.py's torch path is t
 
     from kernels.fp8_gemm import _dot, _e4m3_values, _round_bf16, _e8m0_values, hw_fp8, sum_parts
     from kernels.quant import _quantise
+    from triton.language.extra import libdevice
 except ImportError:
     triton = None
 
@@ -281,14 +282,23 @@ if triton is not None:
     @triton.jit
     def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, limit, BF16: tl.constexpr,
                              BLOCK: tl.constexpr):
-        """A row's BLOCK hidden values of the shared expert from w1's and w3's bf16 outputs: the clamped SwiGLU
-        (`_swiglu_hidden`, no routing weight: times 1.0, exact), rounded to bf16, then w2's act_quant (FP8 per
-        32 values, kernels/quant.py's `_quantise`): the bits of Expert.forward's lines and w2's act_quant launch."""
+        """A row's BLOCK hidden values of the shared expert from w1's and w3's bf16 outputs, Expert.forward's
+        lines: the clamps, silu(g) = g / (1 + expf(-g)) as torch's CUDA silu computes it (libdevice's expf, an
+        IEEE division; `tl.exp` would be an ex2.approx), times u, rounded to bf16; then w2's act_quant (FP8 per
+        32 values, kernels/quant.py's `_quantise`). Under the interpreter (no libdevice) the exponential is
+        numpy's, through fp64."""
         r = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         g = tl.load(g_ptr + r * stride_g + n, mask=n < I, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + r * stride_u + n, mask=n < I, other=0.0).to(tl.float32)
-        hidden = _swiglu_hidden(g, u, 1.0, limit, BF16).to(tl.float32)
+        if limit > 0:
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            g = tl.minimum(g, limit)
+        if BF16:
+            e = libdevice.exp(-g)
+        else:
+            e = tl.exp((-g).to(tl.float64)).to(tl.float32)
+        hidden = _round_bf16(tl.div_rn(g, 1.0 + e) * u, BF16).to(tl.float32)
         q = tl.reshape(_quantise(tl.reshape(hidden, (BLOCK // 32, 32)), 0), (BLOCK,))  # I is whole groups of 32
         tl.store(out_ptr + r * I + n, q.to(tl.bfloat16), mask=n < I)
 
