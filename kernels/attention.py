@@ -140,10 +140,10 @@ def config(H: int, D: int) -> dict:
     """Heads a program (BLOCK_H), warps and pipeline stages, by the heads and the head width only, never
     the batch (a row's bits do not depend on what it is batched with). Output columns a program (DV) stay all
     D: DV < D (each program computes the scores over all D and keeps DV columns of P·V, the same bits by
-    tests/gpu, twice the programs at a decode step's 64) has not been timed yet (`bench_attention.py --dv`). Blocks of fewer heads (16, 32) change a
-    few values (another MMA shape sums the dot in another order; within the torch path's tolerance): the one
-    chosen keeps one block of all heads, and the bits of the earlier 4-warp form (tests/gpu). Chosen by
-    benchmarks/bench_attention.py --sweep on an H200 (RESULTS.md)."""
+    tests/gpu, twice the programs at a decode step's 64) has not been timed yet (`bench_attention.py --dv`).
+    Blocks of fewer heads (16, 32) change a few values (another MMA shape sums the dot in another order; within
+    the torch path's tolerance): the one chosen keeps one block of all heads, and the bits of the earlier 4-warp
+    form (tests/gpu). Chosen by benchmarks/bench_attention.py --sweep on an H200 (RESULTS.md)."""
     if D >= 256:  # the slice (64 x 512): 0.116 -> 0.065 ms decode (64 rows), 6.39 -> 2.81 ms prefill (8,192 queries)
         return dict(BLOCK_H=64, num_warps=8, num_stages=2, PREFETCH=False)
     return dict(BLOCK_H=max(16, min(64, triton.next_power_of_2(H))), num_warps=4, num_stages=3, PREFETCH=True)

@@ -305,9 +305,9 @@ def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
     """The paged kernel reads a row's window ring (by state slot), its chunk's latents and its compressed
     entries (through the block table) where they lie: the same result as the plain kernel over their
     gathered copy, with each block's rows loaded an iteration ahead (PREFETCH) or not, and with the output's
-    columns split over programs (DV: each recomputes the scores over all D, keeps DV columns of P·V). (The interpreter's bf16
-    dot is not faithful, so the numerics against the torch path are checked compiled, in tests/gpu; here both
-    sides run the same interpreted arithmetic, the dots in fp32.)"""
+    columns split over programs (DV: each recomputes the scores over all D, keeps DV columns of P·V). (The
+    interpreter's bf16 dot is not faithful, so the numerics against the torch path are checked compiled, in
+    tests/gpu; here both sides run the same interpreted arithmetic, the dots in fp32.)"""
     from kernels.attention import paged_sparse_attn, sparse_attn
 
     B, H, D, W, per_block, n_blocks, L = 3, 2, 16, 8, 4, 12, 150  # three blocks of 64 indices, the last part-full

@@ -161,8 +161,9 @@ def test_compiled_hc_handoff_norm_matches_the_norm_kernel(n, d, cfg):
 def test_compiled_sparse_attention_config_keeps_the_one_block_bits(S):
     """At the slice's widths (64 heads of 512, 640 indices), compiled: the configuration `config` picks
     (benchmarks/bench_attention.py --sweep) gives the bits of one block of all heads on 4 warps, the kernel's
-    earlier form, and so do the output's columns split over 2 or 4 programs (DV); blocks of 16 or 32 heads move a few values within the torch path's tolerance (another
-    MMA shape accumulates the 512-wide dot in another order)."""
+    earlier form, and so do the output's columns split over 2 or 4 programs (DV); blocks of 16 or 32 heads move
+    a few values within the torch path's tolerance (another MMA shape accumulates the 512-wide dot in another
+    order)."""
     import model.attention as attention
     from kernels.attention import config, sparse_attn
 
