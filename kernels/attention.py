@@ -169,10 +169,10 @@ def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.T
     ring_args = (delta(ring), slots, W, ring.stride(0), ring.stride(1)) if ring is not None else (0, slots, 0, 0, 0)
     pool_args = ((delta(pool), tables, tables.stride(0), pool.size(1), pool.stride(0), pool.stride(1))
                  if pool is not None else (0, tables, 0, 1, 0, 0))
-    cfg = dict(config(H, D), **(cfg or {}))
+    cfg = {"DV": D, **config(H, D), **(cfg or {})}
     f = torch.view_as_real(freqs).reshape(B * S, -1).contiguous() if freqs is not None else None  # (cos, sin)
     if B * S:
-        grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]), D // cfg.setdefault("DV", D))
+        grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]), D // cfg["DV"])
         _sparse_attn_kernel[grid](q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1),
                                   q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1),
                                   out.stride(0), out.stride(1), out.stride(2),

@@ -437,14 +437,16 @@ def combine(out: torch.Tensor, slots: torch.Tensor, shared: torch.Tensor) -> tor
 
 
 def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, s13, w2, s2, limit: float,
-        shared: torch.Tensor, hw: bool | None = None, cfg: dict | None = None) -> torch.Tensor:
+        shared: torch.Tensor, hw: bool | None = None, cfg: dict | None = None,
+        xq: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of model/moe.py MoE.forward plus the shared expert's output `shared` [N, dim]:
-    x bf16 [N, dim] -> y bf16 [N, dim]."""
+    x bf16 [N, dim] -> y bf16 [N, dim]. `xq`: x's act_quant per GROUP, if the caller has it."""
     from kernels.quant import act_quant_fp8
 
     if not x.size(0):
         return torch.empty_like(x)
-    out, slots = routed_experts(act_quant_fp8(x, GROUP), weights, ids, w13, s13, w2, s2, limit, hw, cfg)
+    xq = act_quant_fp8(x, GROUP) if xq is None else xq
+    out, slots = routed_experts(xq, weights, ids, w13, s13, w2, s2, limit, hw, cfg)
     return combine(out, slots, shared)
 
 
@@ -520,11 +522,9 @@ def moe_forward(ffn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) 
 
     stacked = fp4_stacked(ffn)
     cfg = None if ffn._stacked[5] else dict(B=0)  # a scale above 2^1: the codes decoded through e4m3
-    if not x.size(0):
-        return torch.empty_like(x)
     xq = act_quant_fp8(x, GROUP)
-    out, slots = routed_experts(xq, weights, ids, *stacked, ffn.shared_experts.limit, cfg=cfg)
-    return combine(out, slots, shared_expert(ffn.shared_experts, x, xq))
+    return moe(x, weights, ids, *stacked, ffn.shared_experts.limit, shared_expert(ffn.shared_experts, x, xq),
+               cfg=cfg, xq=xq)
 
 
 def shared_expert(expert, x: torch.Tensor, xq: torch.Tensor | None = None) -> torch.Tensor:
