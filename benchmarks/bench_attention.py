@@ -14,8 +14,7 @@ With `--rope`, each configuration runs twice: q's RoPE (its last 64 dims) in the
 fused launches' form) and kernels/rope.py rotating q first (two launches, timed together); their outputs must
 be the same bits.
 
-Usage: python benchmarks/bench_attention.py [--decode 64] [--prefill 8192] [--sweep] [--rope] [--dv 512,256]
-[--iters 20]
+Usage: python benchmarks/bench_attention.py [--decode 64] [--prefill 8192] [--sweep] [--rope] [--iters 20]
 Prints a line per configuration; `--sweep` times every (BLOCK_H, num_warps, num_stages), otherwise the
 kernel's own `config` beside the one-block baseline.
 """
@@ -87,19 +86,18 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=8192, help="prefill queries of one row (0: none)")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--rope", action="store_true", help="q's RoPE at the kernel's load against rotated first")
-    p.add_argument("--dv", default="", help="also `config` with these output columns a program (DV), e.g. 512,256")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs CUDA (the kernel's CPU path is the Triton interpreter).")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    baseline = dict(BLOCK_H=64, DV=D, num_warps=4, num_stages=3)
+    baseline = dict(BLOCK_H=64, num_warps=4, num_stages=3)
     if a.sweep:
         cfgs = [baseline] + [dict(BLOCK_H=bh, num_warps=w, num_stages=st)
                              for bh, w, st in itertools.product((16, 32, 64), (4, 8), (2, 3))]
     else:
-        cfgs = [baseline, config(H, D)] + [dict(config(H, D), DV=dv) for dv in map(int, a.dv.split(",")) if dv]
+        cfgs = [baseline, config(H, D)]
     if a.decode:
         run("decode", a.decode, 1, cfgs, a.iters, a.warmup, gen, a.rope)
     if a.prefill:

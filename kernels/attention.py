@@ -8,9 +8,9 @@ query's gathered rows ([B, S, 64, D] fp32 per block of the index list) and runs 
 layer; this kernel reads each listed row once, where it lies (the paged model's window ring, this
 chunk's latents or the compressed entries in their KV blocks, through the block table: no gathered or
 concatenated copy), and keeps the running max, denominator and accumulator in registers. One program
-per query token, block of heads (`config`: at least 16 rows for the tensor cores) and block of output
-columns; a block of heads shares each gathered block of rows. At D = 512 all 64 heads in one block on 8
-warps (not 4) hold the [heads, DV] fp32 accumulator without spilling.
+per query token and block of heads (`config`: at least 16 rows for the tensor cores); a block of heads
+shares each gathered block of rows. At D = 512 all 64 heads in one block on 8 warps (not 4) hold the
+[heads, D] fp32 accumulator without spilling.
 
 Numerics, as the torch path: blocks of 64 indices in list order; scores from bf16 q and bf16 rows with
 fp32 accumulation, masked to -inf where the index is -1, then times the scale in fp32; the running max
@@ -56,7 +56,7 @@ if triton is not None:
         `paged_sparse_attn`): j < W: the ring of b's state slot; W <= j < W + NB: kv[b, j - W]; beyond:
         compressed entry e = j - W - NB in the paged pool, at (tables[b, e // PER_BLOCK], e % PER_BLOCK). The ring
         and the pool are addressed from kv_ptr by their element distance (ring_delta, pool_delta), so each block
-        of indices is one gathered load. Also the rows' offsets from kv_ptr [BLOCK], for a load of other columns."""
+        of indices is one gathered load."""
         j = tl.load(idx_row + t + k, mask=t + k < L, other=-1).to(tl.int64)  # [BLOCK]
         valid = j >= 0
         offset = b64 * skv_b + (j - W) * skv_n  # [BLOCK] elements from kv_ptr
@@ -67,7 +67,7 @@ if triton is not None:
             in_pool = valid & (e >= 0)
             block = tl.load(tables_ptr + b64 * st_b + e // PER_BLOCK, mask=in_pool, other=0).to(tl.int64)
             offset = tl.where(in_pool, pool_delta + block * sp_blk + (e % PER_BLOCK) * sp_row, offset)
-        return valid, offset, tl.load(kv_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        return valid, tl.load(kv_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0)
 
     @triton.jit
     def _sparse_attn_kernel(q_ptr, sink_ptr, idx_ptr, out_ptr, scale, S, H, L,
@@ -75,15 +75,14 @@ if triton is not None:
                             kv_ptr, NB, skv_b, skv_n,
                             ring_delta, slots_ptr, W, sr_slot, sr_row,
                             pool_delta, tables_ptr, st_b, PER_BLOCK: tl.constexpr, sp_blk, sp_row, freqs_ptr,
-                            D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
+                            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
                             HAS_RING: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr,
                             BF16: tl.constexpr, PREFETCH: tl.constexpr):
-        pid = tl.program_id(0)  # one query token: row b, position s; program_id(1): its block of heads;
-        b, s = pid // S, pid % S  # program_id(2): its block of DV output columns (the scores take all D)
+        pid = tl.program_id(0)  # one query token: row b, position s; program_id(1): its block of heads
+        b, s = pid // S, pid % S
         b64 = b.to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
-        dv = tl.program_id(2) * DV + tl.arange(0, DV)
         k = tl.arange(0, BLOCK)
         q_at = q_ptr + b64 * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :]
         q = tl.load(q_at, mask=h[:, None] < H, other=0.0)  # [BLOCK_H, D] bf16
@@ -92,7 +91,7 @@ if triton is not None:
             f_at = freqs_ptr + pid.to(tl.int64) * ROPE + 2 * tl.where(rope, (d[None, :] - (D - ROPE)) // 2, 0)
             q = _rotate_loaded(q.to(tl.float32), q_at, (d % 2 == 0)[None, :], (h[:, None] < H) & rope, f_at, rope,
                                1.0).to(tl.bfloat16)
-        acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
         den = tl.zeros([BLOCK_H], dtype=tl.float32)
         run_max = tl.full([BLOCK_H], -1e30, dtype=tl.float32)  # the sink is not in the max
         idx_row = idx_ptr + b64 * si_b + s * si_s
@@ -100,13 +99,13 @@ if triton is not None:
         args = (idx_row, k, d, L, b64, skv_b, skv_n, W, ring_row, sr_row, NB, tables_ptr, st_b, PER_BLOCK,
                 pool_delta, sp_blk, sp_row, HAS_RING, HAS_POOL)
         if PREFETCH:
-            valid_next, offset_next, rows_next = _gather_rows(kv_ptr, 0, *args)
+            valid_next, rows_next = _gather_rows(kv_ptr, 0, *args)
         for t in range(0, L, BLOCK):
             if PREFETCH:  # this block's rows were loaded an iteration ahead; the next block's load now
-                valid, offset, rows = valid_next, offset_next, rows_next
-                valid_next, offset_next, rows_next = _gather_rows(kv_ptr, t + BLOCK, *args)
+                valid, rows = valid_next, rows_next
+                valid_next, rows_next = _gather_rows(kv_ptr, t + BLOCK, *args)
             else:
-                valid, offset, rows = _gather_rows(kv_ptr, t, *args)
+                valid, rows = _gather_rows(kv_ptr, t, *args)
             scores = _mm(q, tl.trans(rows), BF16)  # [BLOCK_H, BLOCK] fp32
             scores = tl.where(valid[None, :], scores, float("-inf")) * scale
             prev = run_max
@@ -114,13 +113,11 @@ if triton is not None:
             rescale = tl.exp(prev - run_max)
             p = tl.exp(scores - run_max[:, None])
             den = den * rescale + tl.sum(p, axis=1)
-            if DV < D:  # this program's value columns of the rows (just loaded whole: from L1 or L2)
-                rows = tl.load(kv_ptr + offset[:, None] + dv[None, :], mask=valid[:, None], other=0.0)
             acc = acc * rescale[:, None] + _mm(p.to(tl.bfloat16), rows, BF16)
         sink = tl.load(sink_ptr + h, mask=h < H, other=0.0)
         den = den + tl.exp(sink - run_max)
         out = acc / den[:, None]
-        tl.store(out_ptr + b64 * so_b + s * so_s + h[:, None] * so_h + dv[None, :],
+        tl.store(out_ptr + b64 * so_b + s * so_s + h[:, None] * so_h + d[None, :],
                  out.to(tl.bfloat16), mask=h[:, None] < H)
 
 
@@ -138,12 +135,10 @@ def rope_at_load(head_dim: int) -> bool:
 
 def config(H: int, D: int) -> dict:
     """Heads a program (BLOCK_H), warps and pipeline stages, by the heads and the head width only, never
-    the batch (a row's bits do not depend on what it is batched with). Output columns a program (DV) stay all
-    D: DV < D (each program computes the scores over all D and keeps DV columns of P·V, the same bits by
-    tests/gpu, twice the programs at a decode step's 64) has not been timed yet (`bench_attention.py --dv`).
-    Blocks of fewer heads (16, 32) change a few values (another MMA shape sums the dot in another order; within
-    the torch path's tolerance): the one chosen keeps one block of all heads, and the bits of the earlier 4-warp
-    form (tests/gpu). Chosen by benchmarks/bench_attention.py --sweep on an H200 (RESULTS.md)."""
+    the batch (a row's bits do not depend on what it is batched with). Blocks of fewer heads (16, 32) change a
+    few values (another MMA shape sums the dot in another order; within the torch path's tolerance): the one
+    chosen keeps one block of all heads, and the bits of the earlier 4-warp form (tests/gpu). Chosen by
+    benchmarks/bench_attention.py --sweep on an H200 (RESULTS.md)."""
     if D >= 256:  # the slice (64 x 512): 0.116 -> 0.065 ms decode (64 rows), 6.39 -> 2.81 ms prefill (8,192 queries)
         return dict(BLOCK_H=64, num_warps=8, num_stages=2, PREFETCH=False)
     return dict(BLOCK_H=max(16, min(64, triton.next_power_of_2(H))), num_warps=4, num_stages=3, PREFETCH=True)
@@ -169,10 +164,10 @@ def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.T
     ring_args = (delta(ring), slots, W, ring.stride(0), ring.stride(1)) if ring is not None else (0, slots, 0, 0, 0)
     pool_args = ((delta(pool), tables, tables.stride(0), pool.size(1), pool.stride(0), pool.stride(1))
                  if pool is not None else (0, tables, 0, 1, 0, 0))
-    cfg = {"DV": D, **config(H, D), **(cfg or {})}
+    cfg = dict(config(H, D), **(cfg or {}))
     f = torch.view_as_real(freqs).reshape(B * S, -1).contiguous() if freqs is not None else None  # (cos, sin)
     if B * S:
-        grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]), D // cfg["DV"])
+        grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))
         _sparse_attn_kernel[grid](q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1),
                                   q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1),
                                   out.stride(0), out.stride(1), out.stride(2),
