@@ -157,13 +157,13 @@ def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> Non
                   f"{floor * 1e3:.4f} | {floor / new:.1%} |", flush=True)
 
 
-# (BN, U, S, warps, stages, B) at decode, (BM, BN, U, warps, stages, B) at prefill: B=0 the e4m3 decode
+# (BN, U, warps, stages, B) at decode, (BM, BN, U, warps, stages, B) at prefill: B=0 the e4m3 decode
 # (kernels/fp4_moe.py config); the e4m3 decode's former best first
-MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, S=sp, B=bits, num_warps=w, num_stages=st)
-                        for bn, u, sp, w, st, bits in
-                        [(64, 4, 1, 4, 3, 0), (64, 4, 1, 4, 3, 1), (128, 4, 1, 4, 3, 1), (32, 4, 1, 4, 3, 1),
-                         (64, 8, 1, 4, 3, 1), (64, 4, 1, 4, 4, 1), (128, 4, 1, 8, 3, 1), (64, 2, 1, 4, 3, 1),
-                         (128, 8, 1, 8, 3, 1), (256, 4, 1, 8, 3, 1), (64, 4, 2, 4, 3, 1)]]
+MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, B=bits, num_warps=w, num_stages=st)
+                        for bn, u, w, st, bits in
+                        [(64, 4, 4, 3, 0), (64, 4, 4, 3, 1), (128, 4, 4, 3, 1), (32, 4, 4, 3, 1),
+                         (64, 8, 4, 3, 1), (64, 4, 4, 4, 1), (128, 4, 8, 3, 1), (64, 2, 4, 3, 1),
+                         (128, 8, 8, 3, 1), (256, 4, 8, 3, 1)]]
                        # K in the dot's slot order (KS=1: a thread's code bytes one word) at the best tiles
                        + [dict(BM=16, BN=bn, U=u, KS=1, num_warps=w, num_stages=st)
                           for bn, u, w, st in [(128, 4, 8, 3), (64, 4, 4, 3), (128, 4, 4, 3), (64, 8, 4, 3)]],
@@ -234,7 +234,7 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
     w13, w2 = rnd(E, 2 * inter, D // 2), rnd(E, D, inter // 2)
     s13 = torch.full((E, 2 * inter, D // 32), 118, dtype=torch.uint8, device="cuda")
     s2 = torch.full((E, D, inter // 32), 118, dtype=torch.uint8, device="cuda")
-    print("| routed FP4 experts rows | routing | BM, BN, U, S, B, KS, warps, stages | ms | floor/measured | TFLOP/s |")
+    print("| routed FP4 experts rows | routing | BM, BN, U, B, KS, warps, stages | ms | floor/measured | TFLOP/s |")
     print("|---|---|---|---|---|---|")
     # uniform routing (a trained gate's aim), and every row's k among the same 32 experts (v41-slice's random
     # gate sends 64 rows to ~30 experts a layer: bench_slice.py's count)
@@ -253,7 +253,7 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
                 s = timed(graphed(fn) if n <= max(batches) else fn, iters, "cuda")
                 flops = 2 * 3 * D * inter * n * k  # w1, w3 and w2 for every (row, slot) pair
                 shape = ", ".join(str(cfg.get(key, 0 if key == "KS" else 1))
-                                  for key in ("BM", "BN", "U", "S", "B", "KS", "num_warps", "num_stages"))
+                                  for key in ("BM", "BN", "U", "B", "KS", "num_warps", "num_stages"))
                 print(f"| {n} | {routing} | {shape} | {s * 1e3:.3f} | {floor / s:.1%} | {flops / s / 1e12:.0f} |",
                       flush=True)
     print("| FP8 GEMM (out x in) | rows | BM, BN, BK, warps | ms (graph) | floor/measured |")

@@ -53,7 +53,7 @@ try:  # Triton ships Linux wheels only; elsewhere model/moe.py's torch path is t
     import triton
     import triton.language as tl
 
-    from kernels.fp8_gemm import _dot, _e4m3_values, _round_bf16, _e8m0_values, hw_fp8, sum_parts
+    from kernels.fp8_gemm import _dot, _e4m3_values, _round_bf16, _e8m0_values, hw_fp8
     from kernels.quant import _quantise
     from triton.language.extra import libdevice
 except ImportError:
@@ -122,19 +122,15 @@ if triton is not None:
         return tl.load(x_ptr + x_rows[None, :] * K + kk[:, None], mask=live[None, :], other=0.0)
 
     @triton.jit
-    def _fp4_tile_dot(acc, x_ptr, x_rows, live, K, w_base, s_base, w_rows, w_live, groups,
+    def _fp4_tile_dot(acc, x_ptr, x_rows, live, K, w_base, s_base, w_rows, w_live,
                       HW_FP8: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr, U: tl.constexpr,
                       BITS: tl.constexpr, SLOTS: tl.constexpr):
-        """acc [BN, BM] += dequant(W[w_rows]) · x[x_rows, :K]ᵀ over this program's part of K: the weight is the
-        dot's first operand, decoded in registers (where a tensor-core dot can take it without a trip through
-        shared memory), x's rows its second. K is walked one scale group (32 values) a dot, U groups an
-        iteration; the program's part is `groups` groups from program_id(2)·groups (all of K unsplit). An
-        iteration's scales are one word a row (`_scales`). U divides G and `groups` (routed_experts), so every
-        group an iteration names lies inside the part: the loads take no mask along K."""
+        """acc [BN, BM] += dequant(W[w_rows]) · x[x_rows, :K]ᵀ: the weight is the dot's first operand, decoded in
+        registers (where a tensor-core dot can take it without a trip through shared memory), x's rows its second.
+        K is walked one scale group (32 values) a dot, U groups an iteration; an iteration's scales are one word a
+        row (`_scales`). U divides G (routed_experts), so the loads take no mask along K."""
         KP, G = K // 2, K // 32
-        g_lo = tl.program_id(2) * groups
-        g_hi = tl.minimum(g_lo + groups, G)
-        for g0 in range(g_lo, g_hi, U):
+        for g0 in range(0, G, U):
             scales = _scales(s_base, w_rows, w_live, g0, G, U)
             for du in tl.static_range(U):
                 s = (scales.to(tl.int64) >> (8 * du)).to(tl.int32) & 255  # byte du: group g0 + du
@@ -163,14 +159,11 @@ if triton is not None:
         return _round_bf16(weight * hidden, BF16)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, pairs_ptr, tile_ptr, w_ptr, s_ptr, route_ptr, out_ptr, D, I, TOPK, limit, P,
-                        groups, HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr,
-                        BITS: tl.constexpr, SLOTS: tl.constexpr):
+    def _gate_up_kernel(x_ptr, pairs_ptr, tile_ptr, w_ptr, s_ptr, route_ptr, out_ptr, D, I, TOPK, limit,
+                        HW_FP8: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        U: tl.constexpr, BITS: tl.constexpr, SLOTS: tl.constexpr):
         """BN rows of w13 a program, w1's and w3's interleaved (row 2i: w1's row for output n_i, 2i+1: w3's), so
-        one accumulator and one dot a group serve both: BN / 2 of inter's outputs. Unsplit, the hidden bf16
-        [P, I] to out_ptr; split over K (SPLIT), this part's fp32 sums [SPLIT, P, 2I] (w1's and w3's of output n
-        at 2n, 2n + 1) for `_gate_up_sum_kernel`."""
+        one accumulator and one dot a group serve both: BN / 2 of inter's outputs, the hidden bf16 [P, I]."""
         pid_n, t = tl.program_id(0), tl.program_id(1)  # a tile's output blocks run side by side: x's rows stay in L2
         e, r, live = _tile_rows(tile_ptr, t, BM)
         if e >= 0:
@@ -182,41 +175,17 @@ if triton is not None:
             w_base = w_ptr + e64 * (2 * I) * (D // 2)  # w13 [E, 2I, D/2]: w1's rows, then w3's
             s_base = s_ptr + e64 * (2 * I) * (D // 32)
             acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, token, live, D, w_base, s_base,
-                                tl.where(i2 % 2 == 0, n2, I + n2), n2 < I, groups, HW_FP8, BF16, BN, U,
-                                BITS, SLOTS)
-            rows = r.to(tl.int64)[None, :]
-            if SPLIT > 1:
-                part = out_ptr + tl.program_id(2).to(tl.int64) * P * 2 * I + rows * (2 * I)
-                tl.store(part + (pid_n * BN + i2)[:, None], acc, mask=live[None, :] & (n2 < I)[:, None])
-            else:
-                g, u = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, BM)), (0, 2, 1)))
-                weight = tl.load(route_ptr + pair, mask=live, other=0.0)
-                n = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-                tl.store(out_ptr + rows * I + n[:, None], _swiglu_hidden(g, u, weight[None, :], limit, BF16),
-                         mask=live[None, :] & (n < I)[:, None])
+                                tl.where(i2 % 2 == 0, n2, I + n2), n2 < I, HW_FP8, BF16, BN, U, BITS, SLOTS)
+            g, u = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, BM)), (0, 2, 1)))
+            weight = tl.load(route_ptr + pair, mask=live, other=0.0)
+            n = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+            tl.store(out_ptr + r.to(tl.int64)[None, :] * I + n[:, None],
+                     _swiglu_hidden(g, u, weight[None, :], limit, BF16), mask=live[None, :] & (n < I)[:, None])
 
     @triton.jit
-    def _gate_up_sum_kernel(part_ptr, pairs_ptr, route_ptr, h_ptr, P, I, limit, SPLIT: tl.constexpr,
-                            BF16: tl.constexpr, BLOCK: tl.constexpr):
-        """A split K's hidden: row r's w1 and w3 sums added over the parts in order, then `_swiglu_hidden`."""
-        r = tl.program_id(0).to(tl.int64)
-        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        at = part_ptr + r * 2 * I + 2 * n
-        stride = P.to(tl.int64) * 2 * I  # one part
-        g = tl.load(at, mask=n < I, other=0.0)
-        u = tl.load(at + 1, mask=n < I, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            g += tl.load(at + s * stride, mask=n < I, other=0.0)
-            u += tl.load(at + s * stride + 1, mask=n < I, other=0.0)
-        weight = tl.load(route_ptr + tl.load(pairs_ptr + r))
-        tl.store(h_ptr + r * I + n, _swiglu_hidden(g, u, weight, limit, BF16), mask=n < I)
-
-    @triton.jit
-    def _down_kernel(h_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, D, I, P, groups,
-                     HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, SPLIT: tl.constexpr,
-                     BITS: tl.constexpr, SLOTS: tl.constexpr):
-        """The w2 product of BN outputs a program: bf16 [P, D] unsplit, this part's fp32 sums [SPLIT, P, D] split."""
+    def _down_kernel(h_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, D, I, HW_FP8: tl.constexpr, BF16: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, BITS: tl.constexpr, SLOTS: tl.constexpr):
+        """The w2 product of BN outputs a program, bf16 [P, D]."""
         pid_n, t = tl.program_id(0), tl.program_id(1)  # a tile's output blocks run side by side: x's rows stay in L2
         e, r, live = _tile_rows(tile_ptr, t, BM)
         if e >= 0:
@@ -226,12 +195,9 @@ if triton is not None:
             w_base = w_ptr + e64 * D * (I // 2)  # w2 [E, D, I/2]
             s_base = s_ptr + e64 * D * (I // 32)
             acc = _fp4_tile_dot(tl.zeros((BN, BM), dtype=tl.float32), h_ptr, r.to(tl.int64), live, I,
-                                w_base, s_base, n, n_live, groups, HW_FP8, BF16, BN, U, BITS, SLOTS)
-            at = out_ptr + tl.program_id(2).to(tl.int64) * P * D + r.to(tl.int64)[None, :] * D + n[:, None]
-            if SPLIT > 1:
-                tl.store(at, acc, mask=live[None, :] & n_live[:, None])
-            else:
-                tl.store(at, _round_bf16(acc, BF16), mask=live[None, :] & n_live[:, None])
+                                w_base, s_base, n, n_live, HW_FP8, BF16, BN, U, BITS, SLOTS)
+            tl.store(out_ptr + r.to(tl.int64)[None, :] * D + n[:, None], _round_bf16(acc, BF16),
+                     mask=live[None, :] & n_live[:, None])
 
     @triton.jit
     def _plan_kernel(ids_ptr, pairs_ptr, tiles_ptr, slots_ptr, P, E, T, K: tl.constexpr, BM: tl.constexpr,
@@ -321,16 +287,15 @@ def applies(x: torch.Tensor) -> bool:
 
 
 def config(pairs: int, experts: int) -> dict:
-    """Tile sizes by the shape only: BM pairs a tile (16, tl.dot's least, while an expert gets a few rows on
-    average: decode), BN weight rows a program, U scale groups of K (32 values each) an iteration; warps and
-    pipeline stages. Chosen by benchmarks/bench_fp4.py --sweep on an H200; no autotuning (a timing-dependent
-    choice would change bits). A `cfg` may also split K into S parts (programs), their fp32 sums added in part
-    order before the roundings, for more programs where few tiles are live; not a default: on an H200, 64 rows
-    took 1-44% longer with S = 2 to 8, routed uniformly or to 32 experts (benchmarks/RESULTS.md). And B=0
-    decodes the codes through e4m3 instead of by bit patterns (`_w_group`; the same values, more instructions:
-    moe_forward's path for scales past BIT_DECODE_MAX_SCALE). KS=1 walks a group's K in the dot's slot order
-    (`_slot_k`): a thread's code bytes one word, not four bytes (4 LDSM an iteration for 32 LDS.U8 on sm_90):
-    decode's default, 6-10% faster there on an H100; prefill's tiles were slower with it (benchmarks/RESULTS.md)."""
+    """Tile sizes by the shape only: BM pairs a tile (16, tl.dot's least, while an expert gets a few rows on average:
+    decode), BN weight rows a program, U scale groups of K (32 values each) an iteration; warps and pipeline stages.
+    Chosen by benchmarks/bench_fp4.py --sweep on an H200; no autotuning (a timing-dependent choice would change
+    bits). (K split over programs, their fp32 sums added in order, was tried and removed: 64 rows took 1-44% longer
+    with 2 to 8 parts on an H200, benchmarks/RESULTS.md.) B=0 decodes the codes through e4m3 instead of by bit
+    patterns (`_w_group`; the same values, more instructions: moe_forward's path for scales past
+    BIT_DECODE_MAX_SCALE). KS=1 walks a group's K in the dot's slot order (`_slot_k`): a thread's code bytes one
+    word, not four bytes (4 LDSM an iteration for 32 LDS.U8 on sm_90): decode's default, 6-10% faster there on an
+    H100; prefill's tiles were slower with it (benchmarks/RESULTS.md)."""
     if pairs <= 4 * experts:  # decode: the best of 11 at 16 and 64 rows (RESULTS, H100), K in slot order
         return dict(BM=16, BN=128, U=4, KS=1, num_warps=8, num_stages=3)
     if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 11 at 2,048 rows
@@ -393,7 +358,7 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     if D % GROUP or I % GROUP:
         raise ValueError(f"fp4 MoE: dim {D} and inter {I} must be multiples of the scale group {GROUP}")
     cfg = dict(config(N * k, E), **(cfg or {}))
-    BM, BN, U, S, B = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U"), cfg.pop("S", 1), cfg.pop("B", 1)
+    BM, BN, U, B = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U"), cfg.pop("B", 1)
     ks = cfg.pop("KS", 0)
     pairs, tiles, slots = plan(ids, E, BM)
     if tiles.size(0) > 65535:  # the grid's second axis
@@ -403,23 +368,15 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         U //= 2
     hw = hw_fp8(xq.device) if hw is None else hw
     P, dev = N * k, xq.device
-    parts = lambda K: triton.cdiv(triton.cdiv(K // GROUP, S), U) * U  # scale groups a part of K, whole iterations
     hidden = torch.empty(P, I, dtype=torch.bfloat16, device=dev)
-    gu = hidden if S == 1 else torch.empty(S, P, 2 * I, dtype=torch.float32, device=dev)
-    _gate_up_kernel[(triton.cdiv(I, BN // 2), tiles.size(0), S)](  # BN rows of w13: BN / 2 outputs
+    _gate_up_kernel[(triton.cdiv(I, BN // 2), tiles.size(0))](  # BN rows of w13: BN / 2 outputs
         xq.contiguous(), pairs, tiles, w13.view(torch.uint8), s13.view(torch.uint8), weights.contiguous().view(-1),
-        gu, D, I, k, float(limit), P, parts(D), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, BITS=B,
-        SLOTS=ks, **cfg)
-    if S > 1:
-        block = min(1024, triton.next_power_of_2(I))
-        _gate_up_sum_kernel[(P, triton.cdiv(I, block))](gu, pairs, weights.contiguous().view(-1), hidden, P, I,
-                                                        float(limit), SPLIT=S, BF16=xq.is_cuda, BLOCK=block)
+        hidden, D, I, k, float(limit), HW_FP8=hw, BF16=xq.is_cuda, BM=BM, BN=BN, U=U, BITS=B, SLOTS=ks, **cfg)
     hidden = act_quant_fp8(hidden, GROUP)  # the official linear() before w2
-    out = torch.empty(S, P, D, dtype=torch.bfloat16 if S == 1 else torch.float32, device=dev)
-    _down_kernel[(triton.cdiv(D, BN), tiles.size(0), S)](
-        hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, P, parts(I), HW_FP8=hw,
-        BF16=xq.is_cuda, BM=BM, BN=BN, U=U, SPLIT=S, BITS=B, SLOTS=ks, **cfg)
-    out = out[0] if S == 1 else sum_parts(out)  # the parts in split order, then w2's rounding
+    out = torch.empty(P, D, dtype=torch.bfloat16, device=dev)
+    _down_kernel[(triton.cdiv(D, BN), tiles.size(0))](
+        hidden, tiles, w2.view(torch.uint8), s2.view(torch.uint8), out, D, I, HW_FP8=hw, BF16=xq.is_cuda, BM=BM,
+        BN=BN, U=U, BITS=B, SLOTS=ks, **cfg)
     return out, slots
 
 
