@@ -38,10 +38,10 @@ split, valid on every architecture); the e4m3 decode (cfg B=0: the codes' bits o
 2^-6, through kernels/fp8_gemm.py's e4m3 decode, then an fp32 multiply and a bf16 cast) took about 23, and the
 kernel is bound by issuing them: 1.5x longer at 64 decode rows on an H200 (benchmarks/RESULTS.md). An
 iteration's U scales a row are one word (U divides the groups of both GEMMs; it is halved until it does).
-K is walked one scale group (32 values, 16 bytes a row) a dot. The decoded weight is the dot's first
-operand, which a tensor-core dot takes from registers (wgmma on sm_90; Triton picks the instruction for each
-architecture, nothing here is Hopper-only), and x's rows its second: the product is computed transposed,
-[weight rows, pairs], and stored as [pairs, weight rows].
+K is walked one scale group (32 values, 16 bytes a row) a dot, an iteration's U groups of codes one load. The
+decoded weight is the dot's first operand, which a tensor-core dot takes from registers (wgmma on sm_90; Triton
+picks the instruction for each architecture, nothing here is Hopper-only), and x's rows its second: the product
+is computed transposed, [weight rows, pairs], and stored as [pairs, weight rows].
 
 Numerics against the torch path (the official loop, FP4Linear dequantising to bf16 then F.linear): the
 same exact products (e2m1 times a power of two, times an e4m3 activation, exact in fp32), summed in fp32 in
@@ -66,14 +66,11 @@ BIT_DECODE_MAX_SCALE = 128  # e8m0 byte: the bit decode's multiplier 2^(s-1) is 
 if triton is not None:
 
     @triton.jit
-    def _w_group(w_base, s, w_rows, w_live, gi, KP, HW_FP8: tl.constexpr, BN: tl.constexpr,
-                 BF16: tl.constexpr, BITS: tl.constexpr, SLOTS: tl.constexpr):
-        """W's rows w_rows [BN] at scale group gi (K values 32·gi to 32·gi + 31: 16 packed bytes a row) as
-        their values [BN, 32] in K order (SLOTS: in the dot's K slot order, `_slot_k`), exact (bf16 compiled,
-        fp32 under the interpreter), zero in rows not w_live: codes at w_base [., KP]; s [BN] int32 the group's
-        e8m0 scales."""
-        jj = gi * 16 + tl.arange(0, 16)
-        b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=w_live[:, None], other=0).to(tl.int32)
+    def _w_group(b, s, HW_FP8: tl.constexpr, BN: tl.constexpr, BF16: tl.constexpr, BITS: tl.constexpr,
+                 SLOTS: tl.constexpr):
+        """A scale group's codes b [BN, 16] int32 (K values 32·gi to 32·gi + 31 of BN rows: 16 packed bytes a
+        row, `_code_groups`) as their values [BN, 32] in K order (SLOTS: in the dot's K slot order, `_slot_k`),
+        exact (bf16 compiled, fp32 under the interpreter); s [BN] int32 the group's e8m0 scales."""
         if BITS:
             # A byte's two codes as two bf16 bit patterns in one word, low nibble (the even K value) in the low
             # half: the magnitude bits c&7 at bf16 bits 6-8 (exponent field e, mantissa m) make 2^(e-127)(1+m/2)
@@ -108,6 +105,24 @@ if triton is not None:
         return 8 * ((slot // 2) % 4) + 4 * (slot // 16) + 2 * ((slot // 8) % 2) + slot % 2
 
     @triton.jit
+    def _code_groups(w_base, w_rows, w_live, g0, KP, BN: tl.constexpr, U: tl.constexpr):
+        """The codes of rows w_rows [BN] (zero in rows not w_live) at scale groups g0 to g0 + U - 1 (U of 1, 2,
+        4) as a tuple of U groups [BN, 16] int32: one load of a row's 16·U bytes, split in registers. A group
+        a load used half of each 32-byte sector and twice the copies into shared memory (ncu: 8.2 of a
+        sector's 32 bytes used); at U = 2 the slice's decode step took 0.95x the time, its prefill 0.94x
+        (benchmarks/RESULTS.md)."""
+        jj = g0 * 16 + tl.arange(0, 16 * U)
+        b = tl.load(w_base + w_rows[:, None] * KP + jj[None, :], mask=w_live[:, None], other=0).to(tl.int32)
+        if U == 1:
+            groups = (b,)
+        elif U == 2:
+            groups = tl.split(tl.permute(tl.reshape(b, (BN, 2, 16)), (0, 2, 1)))
+        else:
+            even, odd = tl.split(tl.permute(tl.reshape(b, (BN, 2, 2, 16)), (0, 3, 1, 2)))  # groups (0, 2), (1, 3)
+            groups = (tl.split(even)[0], tl.split(odd)[0], tl.split(even)[1], tl.split(odd)[1])
+        return groups
+
+    @triton.jit
     def _scales(s_base, w_rows, w_live, g0, G, U: tl.constexpr):
         """The e8m0 scales of rows w_rows [BN] at groups g0 to g0 + U - 1 as one word a row (group g0 + u in
         byte u), one load. U divides G and g0, so a word is aligned and inside its row."""
@@ -127,14 +142,16 @@ if triton is not None:
                       BITS: tl.constexpr, SLOTS: tl.constexpr):
         """acc [BN, BM] += dequant(W[w_rows]) · x[x_rows, :K]ᵀ: the weight is the dot's first operand, decoded in
         registers (where a tensor-core dot can take it without a trip through shared memory), x's rows its second.
-        K is walked one scale group (32 values) a dot, U groups an iteration; an iteration's scales are one word a
-        row (`_scales`). U divides G (routed_experts), so the loads take no mask along K."""
+        K is walked one scale group (32 values) a dot, U groups an iteration; an iteration's codes are one load
+        (`_code_groups`) and its scales one word a row (`_scales`). U divides G (routed_experts), so the loads
+        take no mask along K."""
         KP, G = K // 2, K // 32
         for g0 in range(0, G, U):
             scales = _scales(s_base, w_rows, w_live, g0, G, U)
+            codes = _code_groups(w_base, w_rows, w_live, g0, tl.multiple_of(KP, 16), BN, U)
             for du in tl.static_range(U):
                 s = (scales.to(tl.int64) >> (8 * du)).to(tl.int32) & 255  # byte du: group g0 + du
-                acc = _dot(_w_group(w_base, s, w_rows, w_live, g0 + du, KP, HW_FP8, BN, BF16, BITS, SLOTS),
+                acc = _dot(_w_group(codes[du], s, HW_FP8, BN, BF16, BITS, SLOTS),
                            _x_group_t(x_ptr, x_rows, live, g0 + du, K, SLOTS), acc, BF16)
         return acc
 
@@ -295,9 +312,10 @@ def config(pairs: int, experts: int) -> dict:
     patterns (`_w_group`; the same values, more instructions: moe_forward's path for scales past
     BIT_DECODE_MAX_SCALE). KS=1 walks a group's K in the dot's slot order (`_slot_k`): a thread's code bytes one
     word, not four bytes (4 LDSM an iteration for 32 LDS.U8 on sm_90): decode's default, 6-10% faster there on an
-    H100; prefill's tiles were slower with it (benchmarks/RESULTS.md)."""
+    H100; prefill's tiles were slower with it (benchmarks/RESULTS.md). U = 2 everywhere since an iteration's codes
+    are one load (`_code_groups`): decode's tile at U = 4 then took 52 registers and 1.2x longer on an H200."""
     if pairs <= 4 * experts:  # decode: the best of 11 at 16 and 64 rows (RESULTS, H100), K in slot order
-        return dict(BM=16, BN=128, U=4, KS=1, num_warps=8, num_stages=3)
+        return dict(BM=16, BN=128, U=2, KS=1, num_warps=8, num_stages=3)
     if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 11 at 2,048 rows
         return dict(BM=64, BN=128, U=2, num_warps=4, num_stages=3)
     return dict(BM=128, BN=64, U=2, num_warps=4, num_stages=3)  # the best of 11 at 8,192 rows

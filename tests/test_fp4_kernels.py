@@ -97,7 +97,7 @@ def test_fp4_moe_matches_the_official_loop(N, k):
     to bf16, so one may land an ulp away (2^-8); through SwiGLU and the hidden's FP8 act_quant an ulp can
     move one e4m3 code one step (2^-4 relative of that term): 2^-5 of the output's largest value covers a few
     such flips among an output's terms. At these sizes the sums agree and so do the bits (checked: most)."""
-    E, D, inter = 8, 64, 96  # inter 96: 3 scale groups, a partial iteration of the decode tiles' 4
+    E, D, inter = 8, 64, 96  # inter 96: 3 scale groups, which the decode tile's U = 2 does not divide
     w13, s13, w2, s2 = fp4_experts(E, D, inter, seed=N)
     x, weights, ids, shared = moe_inputs(N, k, E, D, seed=100 + N)
     want = fp4_moe.moe_reference(x, weights, ids, w13, s13, w2, s2, 10.0, shared)
@@ -306,3 +306,22 @@ def test_fp4_moe_decodes_give_the_same_bits(D, inter, U):
     assert s13.view(torch.uint8).unique().numel() > 2 and s2.view(torch.uint8).unique().numel() > 2
     assert all(torch.unique(w.view(torch.uint8) & 15).numel() == 16 for w in (w13, w2))
     assert torch.equal(other, base)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("KS", [0, 1])
+def test_an_iterations_codes_in_one_load_give_the_same_bits(KS):
+    """An iteration's U groups of codes are one load of a row's 16·U bytes, split in registers (`_code_groups`):
+    U = 2 and U = 4 give U = 1's bits (one group a load; the dots and their fp32 sums are the same whatever U),
+    in K order and in slot order. Every group's bytes and scales differ, so a split that handed a dot another
+    group's codes would show (checked: swapping U = 2's two groups fails)."""
+    E, D, inter, N, k = 4, 256, 128, 6, 2  # 8 and 4 scale groups: U = 4 divides both
+    from kernels.quant import act_quant_fp8
+
+    w13, s13, w2, s2 = fp4_experts(E, D, inter, seed=21)
+    x, weights, ids, _ = moe_inputs(N, k, E, D, seed=221)
+    xq = act_quant_fp8(x, 32)
+    one, _ = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(BN=32, U=1, KS=KS))
+    for U in (2, 4):
+        got, _ = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(BN=32, U=U, KS=KS))
+        assert torch.equal(got, one), U

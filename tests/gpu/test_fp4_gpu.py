@@ -94,6 +94,21 @@ def test_compiled_fp4_decodes_give_the_same_bits(N, experts):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("N", [1, 64, 2048, 8192])
+def test_compiled_codes_in_one_load_give_the_same_bits(N, experts):
+    """An iteration's U groups of codes one load (`_code_groups`), compiled at the slice's widths in each tier's
+    tile: U = 2 (the default) and 4 give U = 1's outputs (a group a load) bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(N + 2)
+    E = experts[0].size(0)
+    xq = act_quant_fp8(torch.randn(N, 5120, device="cuda", generator=g).bfloat16(), 32)
+    ids = torch.rand(N, E, device="cuda", generator=g).topk(6, dim=-1).indices
+    weights = torch.rand(N, 6, device="cuda", generator=g) * 0.5
+    want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(U=1))
+    for U in (2, 4):
+        got, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(U=U))
+        assert torch.equal(got, want), U
+
+
 @pytest.mark.parametrize("N,BM", [(1, 16), (64, 16), (256, 16), (682, 16), (64, 64)])  # 682 x 6: PLAN_PAIRS's
 def test_the_plans_one_launch_gives_the_torch_ops_values(N, BM):
     """plan's one launch, compiled, against its torch ops at the slice's 384 experts: pairs, tiles and slots."""
