@@ -162,11 +162,12 @@ def bench_dense(shapes, batches: list[int], iters: int, device: str, gen) -> Non
 MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, B=bits, num_warps=w, num_stages=st)
                         for bn, u, w, st, bits in
                         [(64, 4, 4, 3, 0), (64, 4, 4, 3, 1), (128, 4, 4, 3, 1), (32, 4, 4, 3, 1),
-                         (64, 8, 4, 3, 1), (64, 4, 4, 4, 1), (128, 4, 8, 3, 1), (64, 2, 4, 3, 1),
-                         (128, 8, 8, 3, 1), (256, 4, 8, 3, 1)]]
-                       # K in the dot's slot order (KS=1: a thread's code bytes one word) at the best tiles
+                         (64, 4, 4, 4, 1), (128, 4, 8, 3, 1), (64, 2, 4, 3, 1), (256, 4, 8, 3, 1)]]
+                       # K in the dot's slot order (KS=1: a thread's code bytes one word) at the best tiles; U = 2:
+                       # an iteration's codes one load (kernels/fp4_moe.py `_code_groups`, U of 1, 2 or 4)
                        + [dict(BM=16, BN=bn, U=u, KS=1, num_warps=w, num_stages=st)
-                          for bn, u, w, st in [(128, 4, 8, 3), (64, 4, 4, 3), (128, 4, 4, 3), (64, 8, 4, 3)]],
+                          for bn, u, w, st in [(128, 2, 8, 3), (128, 4, 8, 3), (64, 2, 4, 3), (128, 2, 8, 4),
+                                               (64, 4, 4, 3), (128, 4, 4, 3)]],
              "prefill": [dict(BM=bm, BN=bn, U=u, B=bits, num_warps=w, num_stages=st)
                          for bm, bn, u, w, st, bits in
                          [(128, 128, 2, 4, 3, 0), (128, 128, 2, 4, 3, 1), (64, 128, 2, 4, 3, 0), (64, 128, 2, 4, 3, 1),

@@ -126,7 +126,7 @@ if triton is not None:
     def _scales(s_base, w_rows, w_live, g0, G, U: tl.constexpr):
         """The e8m0 scales of rows w_rows [BN] at groups g0 to g0 + U - 1 as one word a row (group g0 + u in
         byte u), one load. U divides G and g0, so a word is aligned and inside its row."""
-        word = tl.int32 if U == 4 else (tl.int16 if U == 2 else (tl.int64 if U == 8 else tl.uint8))
+        word = tl.int32 if U == 4 else (tl.int16 if U == 2 else tl.uint8)
         at = (s_base + w_rows * G + g0).to(tl.pointer_type(word))
         return tl.load(at, mask=w_live, other=0)
 
@@ -377,6 +377,8 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         raise ValueError(f"fp4 MoE: dim {D} and inter {I} must be multiples of the scale group {GROUP}")
     cfg = dict(config(N * k, E), **(cfg or {}))
     BM, BN, U, B = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U"), cfg.pop("B", 1)
+    if U not in (1, 2, 4):
+        raise ValueError(f"fp4 MoE: U={U} scale groups an iteration; an iteration's codes are one load of 1, 2 or 4")
     ks = cfg.pop("KS", 0)
     pairs, tiles, slots = plan(ids, E, BM)
     if tiles.size(0) > 65535:  # the grid's second axis

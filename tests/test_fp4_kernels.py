@@ -325,3 +325,5 @@ def test_an_iterations_codes_in_one_load_give_the_same_bits(KS):
     for U in (2, 4):
         got, _ = fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(BN=32, U=U, KS=KS))
         assert torch.equal(got, one), U
+    with pytest.raises(ValueError, match="U=8"):  # one load takes 1, 2 or 4 groups
+        fp4_moe.routed_experts(xq, weights, ids, w13, s13, w2, s2, 10.0, cfg=dict(BN=32, U=8, KS=KS))
