@@ -378,7 +378,7 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     cfg = dict(config(N * k, E), **(cfg or {}))
     BM, BN, U, B = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("U"), cfg.pop("B", 1)
     if U not in (1, 2, 4):
-        raise ValueError(f"fp4 MoE: U={U} scale groups an iteration; an iteration's codes are one load of 1, 2 or 4")
+        raise ValueError(f"fp4 MoE: U={U} scale groups an iteration; it must be 1, 2 or 4 (their codes are one load)")
     ks = cfg.pop("KS", 0)
     pairs, tiles, slots = plan(ids, E, BM)
     if tiles.size(0) > 65535:  # the grid's second axis
