@@ -314,7 +314,7 @@ def config(pairs: int, experts: int) -> dict:
     word, not four bytes (4 LDSM an iteration for 32 LDS.U8 on sm_90): decode's default, 6-10% faster there on an
     H100; prefill's tiles were slower with it (benchmarks/RESULTS.md). U = 2 everywhere since an iteration's codes
     are one load (`_code_groups`): decode's tile at U = 4 then took 52 registers and 1.2x longer on an H200."""
-    if pairs <= 4 * experts:  # decode: the best of 11 at 16 and 64 rows (RESULTS, H100), K in slot order
+    if pairs <= 4 * experts:  # decode: the best of 11 at 16 and 64 rows (H100), U = 2 since the one load; K slot order
         return dict(BM=16, BN=128, U=2, KS=1, num_warps=8, num_stages=3)
     if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 11 at 2,048 rows
         return dict(BM=64, BN=128, U=2, num_warps=4, num_stages=3)

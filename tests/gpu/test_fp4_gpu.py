@@ -79,16 +79,20 @@ def test_compiled_fp4_moe_matches_the_official_loop(N, experts):
     report(f"fp4 moe N={N}", got, want)
 
 
+def routed_inputs(N: int, E: int, seed: int):
+    """N rows of the slice's width act_quant'd, routing weights and top-6 ids among E experts: routed_experts's."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xq = act_quant_fp8(torch.randn(N, 5120, device="cuda", generator=g).bfloat16(), 32)
+    ids = torch.rand(N, E, device="cuda", generator=g).topk(6, dim=-1).indices
+    return xq, torch.rand(N, 6, device="cuda", generator=g) * 0.5, ids
+
+
 @pytest.mark.parametrize("N", [1, 64, 2048, 8192])  # the three tiers of fp4_moe.config
 def test_compiled_fp4_decodes_give_the_same_bits(N, experts):
     """The bit decode (the default: a code's bf16 pattern times 2^(s-1) in a bf16 multiply, the subnormal
     pattern of code 1 included) and the e4m3 decode (cfg B=0) give the same outputs bit for bit at the slice's
     widths: the same weight values reach the same dots."""
-    g = torch.Generator(device="cuda").manual_seed(N + 1)
-    E = experts[0].size(0)
-    xq = act_quant_fp8(torch.randn(N, 5120, device="cuda", generator=g).bfloat16(), 32)
-    ids = torch.rand(N, E, device="cuda", generator=g).topk(6, dim=-1).indices
-    weights = torch.rand(N, 6, device="cuda", generator=g) * 0.5
+    xq, weights, ids = routed_inputs(N, experts[0].size(0), seed=N + 1)
     want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(B=0))
     got, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0)
     assert torch.equal(got, want)
@@ -98,11 +102,7 @@ def test_compiled_fp4_decodes_give_the_same_bits(N, experts):
 def test_compiled_codes_in_one_load_give_the_same_bits(N, experts):
     """An iteration's U groups of codes one load (`_code_groups`), compiled at the slice's widths in each tier's
     tile: U = 2 (the default) and 4 give U = 1's outputs (a group a load) bit for bit."""
-    g = torch.Generator(device="cuda").manual_seed(N + 2)
-    E = experts[0].size(0)
-    xq = act_quant_fp8(torch.randn(N, 5120, device="cuda", generator=g).bfloat16(), 32)
-    ids = torch.rand(N, E, device="cuda", generator=g).topk(6, dim=-1).indices
-    weights = torch.rand(N, 6, device="cuda", generator=g) * 0.5
+    xq, weights, ids = routed_inputs(N, experts[0].size(0), seed=N + 2)
     want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(U=1))
     for U in (2, 4):
         got, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(U=U))
