@@ -3,8 +3,9 @@ the v41-slice's widths, for a decode step's rows and a prefill chunk's.
 
 A handoff is the expand of one sublayer, the next one's mixes (a [24, hc·d] fp32 GEMM and its Sinkhorn), the
 collapse and its RMSNorm, for every token (model/hc.py `handoff`). Forms: a token a program (`T=1`, tiny-68m's
-and decode's form, each program reading all of fn), or T tokens a program sharing each block of fn, the mixes on
-the tensor cores (fn in three bf16 parts; a prefill chunk's form at wide streams), by tiles. Each form:
+form, each program reading all of fn, at a wide stream in parts of PART_K positions), or T tokens a program
+sharing each block of fn, the mixes on the tensor cores (fn in three bf16 parts; at a wide stream a prefill
+chunk's form in one launch, a decode step's a part of PART_K a program), by tiles. Each form:
 `--warmup` calls, then the mean of `--iters` between CUDA events (graphs up to 64 rows); its values against the
 first form's (max difference of pre, post and comb, and of the normed collapse). Bytes floor: h, y, the
 stream, x and normed (bf16) once, over 4.8 TB/s.
@@ -21,9 +22,21 @@ from bench_fp4 import graphed, timed
 from kernels import hc as hc_kernel
 
 HBM = 4.8e12
-FORMS = [dict(T=1)] + [dict(T=t, BLOCK_K=bk, BLOCK_D=bd, num_warps=w)
-                       for t, bk, bd, w in [(64, 64, 64, 8), (64, 32, 64, 4), (32, 64, 128, 4), (32, 32, 64, 4),
-                                            (128, 32, 64, 8), (16, 64, 128, 4), (64, 64, 128, 8), (128, 64, 64, 8)]]
+CHUNK_FORMS = [dict(T=1)] + [dict(T=t, BLOCK_K=bk, BLOCK_D=bd, num_warps=w)
+                             for t, bk, bd, w in [(64, 64, 64, 8), (64, 32, 64, 4), (32, 64, 128, 4), (32, 32, 64, 4),
+                                                  (128, 32, 64, 8), (16, 64, 128, 4), (64, 64, 128, 8),
+                                                  (128, 64, 64, 8)]]
+# below a chunk's rows at a wide stream the mixes' sums come in parts: a token a program, or T a part program
+DECODE_FORMS = [dict(T=1, PART_K=2048)] + [dict(T=t, PART_K=pk, BLOCK_K=bk, num_warps=w) for t, pk, bk, w in
+                                           [(16, 2048, 64, 4), (16, 512, 64, 4), (16, 256, 64, 4), (16, 128, 64, 4),
+                                            (16, 256, 32, 4), (16, 256, 64, 2), (32, 256, 64, 4), (64, 256, 64, 8)]]
+
+
+def forms(n: int, d: int) -> list[dict]:
+    """The forms timed for n tokens of a stream 4·d wide (a narrow one: a token a program and two chunk forms)."""
+    if 4 * d < hc_kernel.WIDE_STREAM:
+        return CHUNK_FORMS[:3]
+    return CHUNK_FORMS if n >= hc_kernel.CHUNK_ROWS else DECODE_FORMS
 
 
 def inputs(n: int, d: int, gen):
@@ -56,7 +69,7 @@ def main() -> None:
             args = inputs(n, d, gen)
             floor = n * 4 * d * 2 * (1 + 1 / 4 + 1 + 1 / 4 + 1 / 4) / HBM
             base = None
-            for cfg in FORMS if 4 * d >= hc_kernel.WIDE_STREAM else FORMS[:3]:
+            for cfg in forms(n, d):
                 try:
                     out = hc_kernel.hc_handoff(*args, cfg=cfg)
                     fn = lambda: hc_kernel.hc_handoff(*args, cfg=cfg)  # noqa: E731

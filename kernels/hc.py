@@ -171,24 +171,17 @@ if triton is not None:
             tl.store(normed_ptr + row * D + d, normed.to(normed_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
-    def _hc_handoff_rows_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, scale_ptr, base_ptr, cpre_ptr,
-                                mixes_ptr, pre_ptr, next_post_ptr, next_comb_ptr, x_ptr, norm_w_ptr, normed_ptr, N, D,
-                                M, iters, hc_eps, mix_eps, norm_eps, EXPAND: tl.constexpr, NORM: tl.constexpr,
-                                HC: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK_D: tl.constexpr, BF16: tl.constexpr):
-        # `_hc_handoff_kernel`'s operations for T tokens a program (a prefill chunk's), the mixes on the tensor
-        # cores: the stream is bf16, so each of its values is exact in a bf16 operand, and fn (fp32) is split
-        # into three bf16 parts, hi + mid + lo, fn to within 2^-24 of itself; each part's products are exact in
-        # fp32 and summed in fp32, so the mixes are fp32 sums of the same products in another order (within fp32
-        # rounding of the FMA chain, not bit for bit). A block of BLOCK_K stream values lies in one copy c
-        # (D % BLOCK_K == 0). Every sum is a token's own: a token's values do not depend on the tokens beside it.
-        rows = (tl.program_id(0) * T + tl.arange(0, T)).to(tl.int64)
-        live = rows < N
+    def _stream_mixes_rows(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, rows, live, D, M, k_lo, k_hi,
+                           EXPAND: tl.constexpr, HC: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+        """`_stream_mixes` for T tokens `rows` at once over the flat positions k_lo to k_hi (whole blocks of
+        BLOCK_K, each in one copy: D % BLOCK_K == 0), the mixes on the tensor cores (`_hc_handoff_rows_kernel`)
+        -> (the mixes' sums [T, BLOCK_M], the squares [T, BLOCK_K], to be summed)."""
         K = HC * D
         m = tl.arange(0, BLOCK_M)
         acc = tl.zeros([T, BLOCK_M], dtype=tl.float32)
         squares = tl.zeros([T, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             f = k0 + tl.arange(0, BLOCK_K)  # flat [HC * D] index: copy k0 // D, positions d
             if EXPAND:  # the copy c of the stream: post_c·y + Σ_j comb[j, c]·h_j, the copies added in order
                 c, d = k0 // D, k0 % D + tl.arange(0, BLOCK_K)
@@ -212,6 +205,44 @@ if triton is not None:
                                                                                                 BF16)
             x = stream.to(tl.float32)
             squares += x * x
+        return acc, squares
+
+    @triton.jit
+    def _hc_handoff_rows_part_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, parts_ptr, N, D, M,
+                                     part_k, PARTS: tl.constexpr, EXPAND: tl.constexpr, HC: tl.constexpr,
+                                     T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     BF16: tl.constexpr):
+        # Program (T tokens, part): `_stream_mixes_rows` over the part's part_k positions, each block of fn read
+        # once for the T tokens; the sums as `_hc_handoff_part_kernel` leaves them, for `_hc_handoff_kernel`.
+        rows = (tl.program_id(0) * T + tl.arange(0, T)).to(tl.int64)
+        live = rows < N
+        part = tl.program_id(1)
+        k_lo = part * part_k
+        acc, squares = _stream_mixes_rows(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, rows, live, D, M,
+                                          k_lo, tl.minimum(k_lo + part_k, HC * D), EXPAND, HC, T, BLOCK_M, BLOCK_K,
+                                          BF16)
+        at = parts_ptr + (rows * PARTS + part) * (BLOCK_M + 1)
+        tl.store(at[:, None] + tl.arange(0, BLOCK_M)[None, :], acc, mask=live[:, None])
+        tl.store(at + BLOCK_M, tl.sum(squares, axis=1), mask=live)
+
+    @triton.jit
+    def _hc_handoff_rows_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, scale_ptr, base_ptr, cpre_ptr,
+                                mixes_ptr, pre_ptr, next_post_ptr, next_comb_ptr, x_ptr, norm_w_ptr, normed_ptr, N, D,
+                                M, iters, hc_eps, mix_eps, norm_eps, EXPAND: tl.constexpr, NORM: tl.constexpr,
+                                HC: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+        # `_hc_handoff_kernel`'s operations for T tokens a program (a prefill chunk's), the mixes on the tensor
+        # cores: the stream is bf16, so each of its values is exact in a bf16 operand, and fn (fp32) is split
+        # into three bf16 parts, hi + mid + lo, fn to within 2^-24 of itself; each part's products are exact in
+        # fp32 and summed in fp32, so the mixes are fp32 sums of the same products in another order (within fp32
+        # rounding of the FMA chain, not bit for bit). A block of BLOCK_K stream values lies in one copy c
+        # (D % BLOCK_K == 0). Every sum is a token's own: a token's values do not depend on the tokens beside it.
+        rows = (tl.program_id(0) * T + tl.arange(0, T)).to(tl.int64)
+        live = rows < N
+        K = HC * D
+        m = tl.arange(0, BLOCK_M)
+        acc, squares = _stream_mixes_rows(y_ptr, h_ptr, post_ptr, comb_ptr, stream_ptr, fn_ptr, rows, live, D, M, 0, K,
+                                          EXPAND, HC, T, BLOCK_M, BLOCK_K, BF16)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(squares, axis=1), K.to(tl.float32)) + mix_eps))
         tl.store(mixes_ptr + rows[:, None] * M + m[None, :], acc * rstd[:, None], mask=live[:, None] & (m < M)[None, :])
         tl.debug_barrier()  # the mixes and the stream, written by every thread, are read by others below
@@ -313,46 +344,53 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
-PART_K = 2048  # the positions of a wide stream a part of a token's mixes sums (`handoff_config`)
-WIDE_STREAM = 8192  # the stream's width (hc·d) from which a prefill chunk's handoff takes T tokens a program
-# ... and the tokens a launch from which it does: at the slice's width on an H200 a token a program takes
-# 0.33 ms at 512 tokens and 5.0 at 8,192, 64 a program 1.2-1.4 ms at either (benchmarks/bench_handoff.py)
+PART_K = 2048  # the positions of a wide stream a part of a token's mixes sums, a token a program (`handoff_config`)
+ROWS_PART_K = 256  # ... and 16 tokens a program (a decode step's form outside the batch-invariant mode)
+WIDE_STREAM = 8192  # the stream's width (hc·d) from which a handoff takes T tokens a program
+# ... and the tokens a launch from which it takes 64 a program, in one launch: at the slice's width on an H200 a
+# token a program takes 0.33 ms at 512 tokens and 5.0 at 8,192, 64 a program 1.2-1.4 ms at either
+# (benchmarks/bench_handoff.py)
 CHUNK_ROWS = 4096
 
 
 def handoff_config(h: torch.Tensor, batch_invariant: bool = False) -> dict:
     """How a handoff launch of the streams h [..., hc, d] is laid out. A token a program (the form of tiny-68m,
-    whose H200 trace's bits are this form's, of decode steps and of the batch-invariant mode), except for a
-    chunk of at least CHUNK_ROWS bf16 tokens of a stream at least WIDE_STREAM wide, outside the batch-invariant
-    mode (where a token's bits must not depend on how many share its launch): there each of 8,192 programs read
-    fn (2 MB at V4.1's 20,480) from L2 for one token (5.0 ms a launch on an H200), and 64 tokens a program share
-    each block of it, the mixes on the tensor cores (`_hc_handoff_rows_kernel`: 1.36 ms; benchmarks/RESULTS.md).
-    A token a program at a stream at least WIDE_STREAM wide first sums its mixes in parts of PART_K positions,
-    a program each (PART_K: the parts by width alone, so a token's bits stay its own): a decode step's 64
-    programs, each reading all of fn, were latency-bound (83 us a launch at the slice's width on an H200)."""
+    whose H200 trace's bits are this form's, and of the batch-invariant mode, where a token's bits must not depend
+    on how many share its launch), except at a bf16 stream at least WIDE_STREAM wide outside that mode, where
+    a token a program reads all of fn (2 MB at V4.1's 20,480) from L2 for one token: there tokens share each
+    block of fn, the mixes on the tensor cores. A chunk of at least CHUNK_ROWS tokens takes 64 a program in one
+    launch (`_hc_handoff_rows_kernel`: 1.36 ms at 8,192 tokens on an H200, 5.0 a token a program); fewer (a
+    decode step) 16 a program, each program one part of ROWS_PART_K positions of their mixes' sums
+    (`_hc_handoff_rows_part_kernel`), then a token a program adds its parts in order and goes on
+    (`_hc_handoff_kernel`): both launches 20 us at 64 tokens on an H100, where a token a program in parts of
+    2,048 took 50 (benchmarks/RESULTS.md). A token a program at a wide stream (fp32, the batch-invariant mode) sums its
+    mixes in parts of PART_K, a program each. Every part is fixed by the width alone, so a token's bits do not
+    depend on the tokens beside it in any form."""
     hc, d = h.shape[-2:]
     n = h.numel() // (hc * d)
-    if (hc * d >= WIDE_STREAM and n >= CHUNK_ROWS and h.dtype == torch.bfloat16 and d % 64 == 0
-            and not batch_invariant):
-        return dict(T=64, BLOCK_K=64, BLOCK_D=64, num_warps=8)
-    return dict(T=1, PART_K=PART_K) if hc * d >= WIDE_STREAM else dict(T=1)
+    wide = hc * d >= WIDE_STREAM
+    if wide and h.dtype == torch.bfloat16 and d % 64 == 0 and not batch_invariant:
+        if n >= CHUNK_ROWS:
+            return dict(T=64, BLOCK_K=64, BLOCK_D=64, num_warps=8)
+        return dict(T=16, PART_K=ROWS_PART_K, BLOCK_K=64, num_warps=4)
+    return dict(T=1, PART_K=PART_K) if wide else dict(T=1)
 
 
 def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None,
                fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, pre: torch.Tensor, iters: int,
                hc_eps: float, mix_eps: float, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
                batch_invariant: bool = False, cfg: dict | None = None):
-    """The hyper-connections between two sublayers in one launch (model/hc.py `handoff`), a program per token (two
-    launches at a wide stream: the parts of its mixes' sums first) or, for a prefill chunk of a wide stream, per 64
-    (`handoff_config`): the expand of the sublayer before (the stream =
-    hc_post(y, h, post, comb); with y None the stream is h, as at a block's start), the mixes of the sublayer after
-    from that stream (`hc_mixes`, then `hc_split_sinkhorn`; mix_eps the statistic's eps), and that sublayer's input
-    before its norm, the stream collapsed with `pre` (`hc_pre`). -> (stream [..., hc, d], (pre, post, comb) of the
-    next sublayer, x [..., d]): the launches of hc_post, hc_mixes, hc_split_sinkhorn and hc_pre in one. The same
-    operations as the separate kernels; the sums over the copies may associate otherwise (another tile shape), so the
-    agreement with them and with the torch path is within fp32 rounding before each bf16 rounding.
-    With `norm_weight`, also that sublayer's RMSNorm of x (kernels/norm.py's operations on the rounded x, its
-    sum of squares over another tile: within an fp32 ulp of it before the rounding): a fourth value, normed x.
+    """The hyper-connections between two sublayers in one launch (model/hc.py `handoff`), a program per token, or
+    per 64 for a prefill chunk of a wide stream; two launches where the parts of the mixes' sums come first (a
+    wide stream's decode, 16 tokens or one a part program: `handoff_config`): the expand of the sublayer before
+    (the stream = hc_post(y, h, post, comb); with y None the stream is h, as at a block's start), the mixes of the
+    sublayer after from that stream (`hc_mixes`, then `hc_split_sinkhorn`; mix_eps the statistic's eps), and that
+    sublayer's input before its norm, the stream collapsed with `pre` (`hc_pre`). -> (stream [..., hc, d], (pre,
+    post, comb) of the next sublayer, x [..., d]): the launches of hc_post, hc_mixes, hc_split_sinkhorn and hc_pre
+    in one. The same operations as the separate kernels; the sums over the copies may associate otherwise (another
+    tile shape), so the agreement with them and with the torch path is within fp32 rounding before each bf16
+    rounding. With `norm_weight`, also that sublayer's RMSNorm of x (kernels/norm.py's operations on the rounded x,
+    its sum of squares over another tile: within an fp32 ulp of it before the rounding): a fourth value, normed x.
     `handoff_config` lays the launch out (`batch_invariant`: a token's bits independent of the others'); `cfg`
     overrides it (tests, benchmarks)."""
     hc, d = h.shape[-2:]
@@ -373,10 +411,15 @@ def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | Non
                   pre.contiguous(), mixes, next_pre, next_post, next_comb, x,
                   norm_weight if norm_weight is not None else x, normed)
         flags = dict(EXPAND=expand, NORM=norm_weight is not None, HC=hc, BLOCK_M=triton.next_power_of_2(M))
-        if cfg["T"] == 1:
+        if cfg["T"] == 1 or cfg.get("PART_K"):
             parts = triton.cdiv(hc * d, cfg["PART_K"]) if cfg.get("PART_K") else 0
             sums = torch.empty(n, parts, flags["BLOCK_M"] + 1, dtype=torch.float32, device=h.device) if parts else mixes
-            if parts:
+            if parts and cfg["T"] > 1:
+                _hc_handoff_rows_part_kernel[(triton.cdiv(n, cfg["T"]), parts)](
+                    args[0], h2, args[1], args[2], stream, fn.contiguous(), sums, n, d, M, cfg["PART_K"], PARTS=parts,
+                    EXPAND=expand, HC=hc, T=cfg["T"], BLOCK_M=flags["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+                    BF16=h.is_cuda, num_warps=cfg["num_warps"])
+            elif parts:
                 _hc_handoff_part_kernel[(n, parts)](args[0], h2, args[1], args[2], stream, fn.contiguous(), sums, d, M,
                                                    cfg["PART_K"], PARTS=parts, EXPAND=expand, HC=hc,
                                                    BLOCK_M=flags["BLOCK_M"], BLOCK_K=512, num_warps=8)

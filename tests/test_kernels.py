@@ -151,9 +151,10 @@ WIDE = dict(T=8, BLOCK_K=16, BLOCK_D=64, num_warps=8)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("cfg", [None, WIDE, dict(T=1, PART_K=128)])  # a token a program (tiny-68m's form),
-# several (a wide chunk's), a token a program with its mixes summed in parts first (a wide stream's decode; at
-# d = 80 the third of the 320 positions' parts is in part)
+@pytest.mark.parametrize("cfg", [None, WIDE, dict(T=1, PART_K=128), dict(T=8, PART_K=128, BLOCK_K=16, num_warps=4)])
+# a token a program (tiny-68m's form), several (a wide chunk's), the mixes summed in parts first by a token a
+# program (a wide stream's in the batch-invariant mode) or by 8 (a wide stream's decode; at d = 80 the third of
+# the 320 positions' parts is in part, and 15 tokens are a whole program and one in part)
 @pytest.mark.parametrize("expand", [True, False])
 @pytest.mark.parametrize("d", [128, 80])  # 128: tiny-68m (one 512-wide tile of the stream); 80: no power of two
 def test_hc_handoff_kernel_matches_the_torch_path(expand, d, cfg):
@@ -179,20 +180,22 @@ def test_hc_handoff_kernel_matches_the_torch_path(expand, d, cfg):
     assert not expand or not torch.equal(got_x, hc.hc_pre(h, pre))  # the expanded stream is the one collapsed
 
 
-def test_only_a_prefill_chunk_of_a_wide_stream_takes_the_tensor_core_forms():
-    """kernels/hc.py handoff_config and kernels/moe.py use_tensor_cores: 64 tokens a handoff program and the gate's
-    logits on the tensor cores from 4,096 bf16 rows of the slice's widths; a token a program and the FMA chains
-    below that, at tiny-68m's width, in fp32 and in the batch-invariant mode (a token's bits its own)."""
+def test_which_launches_take_the_tensor_core_forms():
+    """kernels/hc.py handoff_config and kernels/moe.py use_tensor_cores. The handoff of a bf16 stream of the
+    slice's width: 64 tokens a program from 4,096 tokens (a prefill chunk), 16 a program summing one part of the
+    mixes below that (a decode step); a token a program at tiny-68m's width, in fp32 and in the batch-invariant
+    mode (a token's bits its own), a wide stream's in parts fixed by the width alone. The gate's logits on the
+    tensor cores from 4,096 bf16 rows, outside the batch-invariant mode."""
     from kernels.hc import CHUNK_ROWS, handoff_config
     from kernels.moe import TC_ROWS, use_tensor_cores
 
     stream = lambda n, d=5120, dtype=torch.bfloat16: torch.empty(n, 4, d, dtype=dtype, device="meta")  # noqa: E731
-    assert handoff_config(stream(CHUNK_ROWS))["T"] == 64
-    for h in (stream(CHUNK_ROWS - 1), stream(CHUNK_ROWS, dtype=torch.float32), stream(CHUNK_ROWS, d=128)):
-        assert handoff_config(h)["T"] == 1
-    assert handoff_config(stream(CHUNK_ROWS), batch_invariant=True)["T"] == 1
-    # a token a program sums a wide stream's mixes in parts fixed by the width, whatever the batch or the mode
-    assert handoff_config(stream(1)) == handoff_config(stream(CHUNK_ROWS), batch_invariant=True) == dict(T=1, PART_K=2048)
+    assert handoff_config(stream(CHUNK_ROWS)) == dict(T=64, BLOCK_K=64, BLOCK_D=64, num_warps=8)
+    decode = dict(T=16, PART_K=256, BLOCK_K=64, num_warps=4)
+    assert handoff_config(stream(1)) == handoff_config(stream(64)) == handoff_config(stream(CHUNK_ROWS - 1)) == decode
+    for n in (1, CHUNK_ROWS):
+        assert handoff_config(stream(n), batch_invariant=True) == dict(T=1, PART_K=2048)
+        assert handoff_config(stream(n, dtype=torch.float32)) == dict(T=1, PART_K=2048)
     assert handoff_config(stream(CHUNK_ROWS, d=128)) == dict(T=1)  # tiny-68m: one launch, its trace's bits
     weight = torch.empty(384, 5120, dtype=torch.bfloat16, device="meta")
     assert use_tensor_cores(TC_ROWS, weight, False)

@@ -122,12 +122,12 @@ def expand_norm_inputs(n: int, d: int, seed: int):
     return y, h, post, comb, fn, scale, base, pre, weight
 
 
-@pytest.mark.parametrize("cfg", WIDE_FORMS + [None])
+@pytest.mark.parametrize("cfg", WIDE_FORMS + [None, dict(T=1, PART_K=2048)])
 def test_compiled_hc_handoff_of_a_token_does_not_depend_on_the_tokens_beside_it(cfg):
     """At the slice's width a prefill chunk's handoff takes several tokens a program (kernels/hc.py
-    handoff_config), and a decode step's sums a token's mixes in parts first (None: the default form at 37
-    tokens): every value of a token, alone or the 6th of 37 (so in another program's slot, beside other
-    tokens), bit for bit."""
+    handoff_config), and a decode step's sums its mixes in parts first, 16 tokens a part program (None: the
+    default form at 37 tokens), or a token a program (the batch-invariant mode's): every value of a token,
+    alone or the 6th of 37 (so in another program's slot, beside other tokens), bit for bit."""
     from kernels import hc as hc_kernel
 
     n, d = 37, 5120
