@@ -415,6 +415,8 @@ def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | Non
             parts = triton.cdiv(hc * d, cfg["PART_K"]) if cfg.get("PART_K") else 0
             sums = torch.empty(n, parts, flags["BLOCK_M"] + 1, dtype=torch.float32, device=h.device) if parts else mixes
             if parts and cfg["T"] > 1:
+                assert d % cfg["BLOCK_K"] == 0 == cfg["PART_K"] % cfg["BLOCK_K"] and h.dtype == torch.bfloat16, \
+                    "T tokens a part program: bf16, whole blocks"
                 _hc_handoff_rows_part_kernel[(triton.cdiv(n, cfg["T"]), parts)](
                     args[0], h2, args[1], args[2], stream, fn.contiguous(), sums, n, d, M, cfg["PART_K"], PARTS=parts,
                     EXPAND=expand, HC=hc, T=cfg["T"], BLOCK_M=flags["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
