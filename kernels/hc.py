@@ -5,8 +5,9 @@ The mixes (pre, post and the Sinkhorn-normalised comb of every token) in one Tri
 `hc_handoff` does the expand, the next sublayer's mixes, its collapse and the collapse's RMSNorm in one launch
 (model/hc.py `handoff`): a block's hyper-connections are 3 launches where the separate kernels take 8. The norm
 modules are still called, with the result, so the debugger's taps on their inputs see what they would
-(tracing/divergence.py). A prefill chunk of a wide stream (V4.1's 20,480) takes 64 tokens a program and its
-mixes on the tensor cores (`handoff_config`).
+(tracing/divergence.py). At a wide stream (V4.1's 20,480) tokens share each block of fn, their mixes on the
+tensor cores: a prefill chunk's 64 a program, a decode step's 16 a program a part of the sums at a time, then a
+token a program adds its parts (`handoff_config`).
 
 Mirrors the `hc_split_sinkhorn` kernel of DeepSeek's inference/kernel.py. The torch path (model/hc.py) is
 about 90 small ops per call (20 Sinkhorn rounds of sums and divisions on [N, 4, 4]), 24 calls per forward
@@ -15,8 +16,8 @@ of tiny-68m: at decode sizes that is launch overhead, not arithmetic. The kernel
 
 Numerics: the same operations in the same order as the torch path, in fp32, with IEEE division (div_rn)
 and exp through fp64; sums over 4 values may associate differently and the compiler may fuse a multiply
-and an add, so results agree with the torch path to a few fp32 ulps, not bit for bit (a prefill chunk's
-mixes on the tensor cores, whose fp32 accumulation truncates: within fp32 rounding of the 20,480-term sums).
+and an add, so results agree with the torch path to a few fp32 ulps, not bit for bit (a wide stream's mixes
+on the tensor cores, whose fp32 accumulation truncates: within fp32 rounding of the 20,480-term sums).
 The CPU path stays the torch one (its bits are pinned by tests/test_golden.py); tests/test_kernels.py and
 tests/gpu compare.
 """
