@@ -150,7 +150,7 @@ if triton is not None:
             scales = _scales(s_base, w_rows, w_live, g0, G, U)
             codes = _code_groups(w_base, w_rows, w_live, g0, tl.multiple_of(KP, 16), BN, U)
             for du in tl.static_range(U):
-                s = (scales.to(tl.int64) >> (8 * du)).to(tl.int32) & 255  # byte du: group g0 + du
+                s = (scales.to(tl.int32) >> (8 * du)) & 255  # byte du: group g0 + du
                 acc = _dot(_w_group(codes[du], s, HW_FP8, BN, BF16, BITS, SLOTS),
                            _x_group_t(x_ptr, x_rows, live, g0 + du, K, SLOTS), acc, BF16)
         return acc

@@ -412,26 +412,27 @@ def hc_handoff(y: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor | Non
                   pre.contiguous(), mixes, next_pre, next_post, next_comb, x,
                   norm_weight if norm_weight is not None else x, normed)
         flags = dict(EXPAND=expand, NORM=norm_weight is not None, HC=hc, BLOCK_M=triton.next_power_of_2(M))
-        if cfg["T"] == 1 or cfg.get("PART_K"):
-            parts = triton.cdiv(hc * d, cfg["PART_K"]) if cfg.get("PART_K") else 0
+        part_k = cfg.get("PART_K", 0)  # the positions a part of a token's mixes sums (0: one launch, no parts)
+        if cfg["T"] > 1:  # T tokens a program, the mixes on the tensor cores
+            assert d % cfg["BLOCK_K"] == 0 == part_k % cfg["BLOCK_K"] and h.dtype == torch.bfloat16, \
+                "T tokens a program: bf16, whole blocks"
+        if cfg["T"] > 1 and not part_k:  # a prefill chunk's form: one launch
+            _hc_handoff_rows_kernel[(triton.cdiv(n, cfg["T"]),)](*common, n, d, M, iters, hc_eps, mix_eps, norm_eps,
+                                                                 **flags, **cfg, BF16=h.is_cuda)
+        else:
+            parts = triton.cdiv(hc * d, part_k) if part_k else 0
             sums = torch.empty(n, parts, flags["BLOCK_M"] + 1, dtype=torch.float32, device=h.device) if parts else mixes
             if parts and cfg["T"] > 1:
-                assert d % cfg["BLOCK_K"] == 0 == cfg["PART_K"] % cfg["BLOCK_K"] and h.dtype == torch.bfloat16, \
-                    "T tokens a part program: bf16, whole blocks"
                 _hc_handoff_rows_part_kernel[(triton.cdiv(n, cfg["T"]), parts)](
-                    args[0], h2, args[1], args[2], stream, fn.contiguous(), sums, n, d, M, cfg["PART_K"], PARTS=parts,
+                    args[0], h2, args[1], args[2], stream, fn.contiguous(), sums, n, d, M, part_k, PARTS=parts,
                     EXPAND=expand, HC=hc, T=cfg["T"], BLOCK_M=flags["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
                     BF16=h.is_cuda, num_warps=cfg["num_warps"])
             elif parts:
                 _hc_handoff_part_kernel[(n, parts)](args[0], h2, args[1], args[2], stream, fn.contiguous(), sums, d, M,
-                                                   cfg["PART_K"], PARTS=parts, EXPAND=expand, HC=hc,
+                                                   part_k, PARTS=parts, EXPAND=expand, HC=hc,
                                                    BLOCK_M=flags["BLOCK_M"], BLOCK_K=512, num_warps=8)
             _hc_handoff_kernel[(n,)](*common, sums, d, M, iters, hc_eps, mix_eps, norm_eps, **flags, PARTS=parts,
                                      BLOCK_K=512, BLOCK_D=triton.next_power_of_2(d), num_warps=8)
-        else:
-            assert d % cfg["BLOCK_K"] == 0 and h.dtype == torch.bfloat16, "T tokens a program: bf16, whole blocks"
-            _hc_handoff_rows_kernel[(triton.cdiv(n, cfg["T"]),)](*common, n, d, M, iters, hc_eps, mix_eps, norm_eps,
-                                                                 **flags, **cfg, BF16=h.is_cuda)
     out = (stream.view(*lead, hc, d), (next_pre.view(*lead, hc), next_post.view(*lead, hc),
                                        next_comb.view(*lead, hc, hc)), x.view(*lead, d))
     return out + (normed.view(*lead, d),) if norm_weight is not None else out
