@@ -183,12 +183,15 @@ DENSE_SWEEP = {"decode": [(16, 64, 256, 4, False), (16, 64, 256, 4, True), (16, 
                            (128, 128, 128, 8, False)]}
 
 
-# the gate's logits at a prefill chunk (rows, experts, d a step, warps, stages), by FMA chains (kernels/moe.py
-# gate_tiles' former tiles first) and on the tensor cores
+# the gate's logits (rows, experts, d a step, warps, stages) at a decode step (d in parts of kernels/moe.py
+# PART_D) and at a prefill chunk, by FMA chains (gate_tiles' former tiles first) and on the tensor cores
 GATE_DECODE_SWEEP = {"FMA": [(16, 16, 256, 4, 3), (16, 32, 256, 4, 3), (32, 16, 256, 4, 3), (64, 16, 256, 4, 3),
                              (16, 16, 128, 4, 3), (16, 16, 512, 4, 3), (16, 16, 256, 2, 3), (16, 16, 256, 1, 3),
                              (32, 32, 128, 4, 3), (64, 32, 64, 4, 3), (16, 64, 128, 4, 3), (64, 64, 64, 8, 3),
-                             (16, 16, 64, 1, 3), (32, 16, 128, 2, 3)]}
+                             (16, 16, 64, 1, 3), (32, 16, 128, 2, 3)],
+                     "tensor cores": [(64, 32, 64, 4, 3), (64, 64, 64, 4, 3), (32, 32, 64, 4, 3), (64, 16, 64, 4, 3),
+                                      (16, 32, 64, 4, 3), (64, 32, 128, 4, 3), (64, 32, 64, 8, 3), (64, 128, 64, 4, 3),
+                                      (16, 16, 128, 4, 3), (32, 64, 64, 4, 3)]}
 GATE_SWEEP = {"FMA": [(64, 128, 64, 4, 3), (64, 128, 32, 4, 3), (128, 128, 16, 8, 4), (64, 64, 32, 4, 3),
                       (32, 128, 32, 4, 3)],
               "tensor cores": [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
@@ -208,7 +211,7 @@ def gate_sweep(args, rows: int, iters: int, gen) -> None:
     print("| gate rows | logits | rows, experts, d, warps, stages | ms | TFLOP/s | bits |")
     print("|---|---|---|---|---|---|")
     base = None
-    decode = rows <= 64  # decode rows: FMA tiles only (the same d parts: the same bits), replayed from a graph
+    decode = rows <= 64  # decode rows: d in parts (kernels/moe.py PART_D), replayed from a graph
     for path, tiles_list in (GATE_DECODE_SWEEP if decode else GATE_SWEEP).items():
         for tiles in tiles_list:
             call = lambda: gate(x, weight, bias, 1.0, k, True, 1.5, tiles=tiles, tc=path != "FMA")  # noqa: E731

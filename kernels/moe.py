@@ -184,21 +184,26 @@ def route(softplus: torch.Tensor, bias: torch.Tensor, k: int, norm: bool, route_
 # in "ieee" fp32 on the CUDA cores), so the tile may follow the batch without a row's bits following it
 # (tests/gpu: a row alone and in a batch of 1,000 give the same bits; on an H200 every tile of the sweep in
 # benchmarks/RESULTS.md gave the same bits).
-# From TC_ROWS rows (a prefill chunk) outside the batch-invariant mode, a bf16 weight's logits go on the tensor
-# cores instead: the FMA chains took 2.2 ms a layer at the slice's 8,192 x 384 x 5,120 (15 TFLOP/s) on an H200,
-# the tensor cores 0.19 ms (bench_fp4.py --gate-sweep).
+# Outside the batch-invariant mode a bf16 weight's logits go on the tensor cores instead: from TC_ROWS rows (a
+# prefill chunk; the FMA chains took 2.2 ms a layer at the slice's 8,192 x 384 x 5,120, 15 TFLOP/s, on an H200, the
+# tensor cores 0.19 ms), and at any rows beyond ROUTE_EXPERTS experts (a decode step of the slice's 384: gate and
+# route 0.091 -> 0.010 ms at 64 rows on an H100, bench_fp4.py --gate-sweep --prefill 64). Below TC_ROWS the tile
+# and the parts of d are fixed by the shape, so a row's bits are the same alone or among up to TC_ROWS - 1 rows.
 ROUTE_EXPERTS = 128  # up to this many experts a program holds them all and routes in the same launch
-# Beyond ROUTE_EXPERTS, the FMA chains run in parts of PART_D values of d, each its own program, and the route's
-# launch adds a logit's parts in order: a decode step's 64 rows of the slice's 384 experts were 96 programs
-# (16 x 16 logits each, 105 us a layer on an H200, latency-bound) and are 960. The parts are fixed by d alone,
-# never by the batch, so a row's bits stay its own (the batch-invariant mode's promise).
+# Beyond ROUTE_EXPERTS below TC_ROWS rows, the logits run in parts of PART_D values of d, a program each, and the
+# route's launch adds a logit's parts in order: a decode step's 64 rows of the slice's 384 experts by FMA
+# chains were 96 programs (16 x 16 logits each, 105 us a layer on an H200, latency-bound) and are 960; on the
+# tensor cores 12 tiles are 120 programs. The parts are fixed by d alone, never by the batch, so a row's bits stay
+# its own (the batch-invariant mode's promise).
 PART_D = 512
 TC_ROWS = 4096  # above the H200 example trace's chunks (2,048 tokens): its gate bits are the FMA chain's
 
 
 def use_tensor_cores(N: int, weight: torch.Tensor, batch_invariant: bool) -> bool:
-    """Whether the gate's logits of N rows go on the tensor cores (TC_ROWS)."""
-    return N >= TC_ROWS and weight.dtype == torch.bfloat16 and not batch_invariant
+    """Whether the gate's logits of N rows go on the tensor cores: a bf16 weight outside the batch-invariant
+    mode, from TC_ROWS rows or beyond ROUTE_EXPERTS experts."""
+    wide = N >= TC_ROWS or weight.size(0) > ROUTE_EXPERTS
+    return wide and weight.dtype == torch.bfloat16 and not batch_invariant
 
 
 def gate_tiles(N: int, E: int, tc: bool = False) -> tuple[int, int, int, int, int]:
@@ -208,6 +213,8 @@ def gate_tiles(N: int, E: int, tc: bool = False) -> tuple[int, int, int, int, in
     Few rows want many programs (16 experts each) and long steps of d; a prefill chunk of 8,192 rows wants the
     weight read few times (128 experts a program). Up to ROUTE_EXPERTS experts one program holds them all."""
     every = max(16, triton.next_power_of_2(E)) if E <= ROUTE_EXPERTS else None
+    if tc and N < TC_ROWS and every is None:  # 64 decode rows of the slice's 384, d in parts: 0.010 ms (H100)
+        return 64, 32, 64, 4, 3
     if tc:  # the slice at 8,192 rows: 0.19 ms (the FMA chains 2.2 ms), the best of 8 tiles
         return 64, every or 64, 64, 4, 3
     if N >= 8192:  # the slice: 4.97 -> 2.13 ms (8 warps, d in steps of 16 on 4 stages, the best of 12)
@@ -229,7 +236,7 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float,
     `route`; the slice's 384), where torch takes five (the upcast, the GEMM and its split-K reduction, the
     softplus, the route). Within fp32 rounding of model/moe.py's torch lines (another order of the d sums,
     the softplus through fp64; on the tensor cores the sums in fp32 in the MMA's order), so a near tie in
-    the top-k may pick the other expert. Beyond ROUTE_EXPERTS, by FMA chains: d in parts of PART_D (`part_d`
+    the top-k may pick the other expert. Beyond ROUTE_EXPERTS below TC_ROWS rows: d in parts of PART_D (`part_d`
     overrides it; 0: one part), each logit's parts added in order by `route`. `tiles` overrides `gate_tiles`
     (benchmarks)."""
     N, D = x.shape
@@ -242,7 +249,7 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, temp: float,
     tc = use_tensor_cores(N, weight, batch_invariant) if tc is None else tc
     rows, block_e, depth, warps, stages = tiles or gate_tiles(N, E, tc)
     part_d = PART_D if part_d is None else part_d
-    parts = triton.cdiv(D, part_d) if part_d and not one and not tc else 1
+    parts = triton.cdiv(D, part_d) if part_d and not one and (not tc or N < TC_ROWS) else 1
     parts = parts if parts > 1 else 0
     # one launch: sp_ptr unused; else the softplus values [N, E], or the logits' partial sums [parts, N, E]
     sp = w if one else torch.empty(max(parts, 1), N, E, dtype=torch.float32, device=x.device)

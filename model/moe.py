@@ -56,8 +56,9 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N,d] -> (weights fp32 [N,k], expert ids [N,k] in descending biased score). With the fused launches
         on (model/attention.py FUSED_LAUNCHES, CUDA): the lines below in one launch (kernels/moe.py `gate`;
-        two beyond 128 experts), the logits by FMA chains whatever the tile, so batch-invariant, except a
-        prefill chunk's outside the batch-invariant mode, on the tensor cores (kernels/moe.py TC_ROWS)."""
+        two beyond 128 experts), the logits by FMA chains whatever the tile, so batch-invariant, except outside
+        the batch-invariant mode a prefill chunk's and beyond 128 experts every step's, on the tensor cores
+        (kernels/moe.py use_tensor_cores)."""
         if self.fused and use_fused(x):
             return moe_kernel.gate(x, self.weight, self.bias, self.temp, self.topk, self.norm_topk_prob,
                                    self.route_scale, batch_invariant=invariant.enabled())

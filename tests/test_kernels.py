@@ -184,10 +184,11 @@ def test_which_launches_take_the_tensor_core_forms():
     """kernels/hc.py handoff_config and kernels/moe.py use_tensor_cores. The handoff of a bf16 stream of the
     slice's width: 64 tokens a program from 4,096 tokens (a prefill chunk), 16 a program summing one part of the
     mixes below that (a decode step); a token a program at tiny-68m's width, in fp32 and in the batch-invariant
-    mode (a token's bits its own), a wide stream's in parts fixed by the width alone. The gate's logits on the
-    tensor cores from 4,096 bf16 rows, outside the batch-invariant mode."""
+    mode (a token's bits its own), a wide stream's in parts fixed by the width alone. The gate's logits of a bf16
+    weight on the tensor cores outside the batch-invariant mode: from 4,096 rows, and at any rows beyond 128
+    experts (the slice's 384), there in one tile and parts of d fixed by the shape below 4,096 rows."""
     from kernels.hc import CHUNK_ROWS, handoff_config
-    from kernels.moe import TC_ROWS, use_tensor_cores
+    from kernels.moe import TC_ROWS, gate_tiles, use_tensor_cores
 
     stream = lambda n, d=5120, dtype=torch.bfloat16: torch.empty(n, 4, d, dtype=dtype, device="meta")  # noqa: E731
     assert handoff_config(stream(CHUNK_ROWS)) == dict(T=64, BLOCK_K=64, BLOCK_D=64, num_warps=8)
@@ -197,10 +198,14 @@ def test_which_launches_take_the_tensor_core_forms():
         assert handoff_config(stream(n), batch_invariant=True) == dict(T=1, PART_K=2048)
         assert handoff_config(stream(n, dtype=torch.float32)) == dict(T=1, PART_K=2048)
     assert handoff_config(stream(CHUNK_ROWS, d=128)) == dict(T=1)  # tiny-68m: one launch, its trace's bits
-    weight = torch.empty(384, 5120, dtype=torch.bfloat16, device="meta")
-    assert use_tensor_cores(TC_ROWS, weight, False)
-    assert not use_tensor_cores(TC_ROWS - 1, weight, False) and not use_tensor_cores(TC_ROWS, weight, True)
-    assert not use_tensor_cores(TC_ROWS, weight.float(), False)
+    tiny = torch.empty(16, 128, dtype=torch.bfloat16, device="meta")
+    assert use_tensor_cores(TC_ROWS, tiny, False)
+    assert not use_tensor_cores(TC_ROWS - 1, tiny, False) and not use_tensor_cores(TC_ROWS, tiny, True)
+    assert not use_tensor_cores(TC_ROWS, tiny.float(), False)
+    wide = torch.empty(384, 5120, dtype=torch.bfloat16, device="meta")
+    assert all(use_tensor_cores(n, wide, False) for n in (1, 64, TC_ROWS - 1, TC_ROWS))
+    assert not any(use_tensor_cores(n, wide, True) or use_tensor_cores(n, wide.float(), False) for n in (1, TC_ROWS))
+    assert gate_tiles(1, 384, tc=True) == gate_tiles(TC_ROWS - 1, 384, tc=True) == (64, 32, 64, 4, 3)
 
 
 @pytest.mark.parametrize("invariant_mode", [False, True])

@@ -489,10 +489,13 @@ def test_compiled_gate_is_the_torch_gate_within_fp32_rounding_and_batch_invarian
     """kernels/moe.py `gate` compiled (one launch at tiny-68m's 16 experts and micro's 8, two at the slice's
     384) against model/moe.py's torch lines on CUDA (cuBLAS's fp32 GEMM, torch's softplus): the same experts
     wherever the k-th and next biased scores are apart by more than fp32 rounding, the weights within it;
-    and a row's bits the same alone, in a decode step's 64 and in a batch of 1,000 (each its own tile)."""
+    and a row's bits the same alone, in a decode step's 64 and in a batch of 1,000 (each its own tile). The bf16
+    weight: the same FMA chains up to 128 experts; beyond, on the tensor cores (kernels/moe.py use_tensor_cores),
+    the same experts where the pick is clear by 1e-4 (as a prefill chunk's, below), a row's bits again its own
+    at 1, 64 and 1,000 rows, and the batch-invariant mode back on the FMA chains."""
     from types import SimpleNamespace
 
-    from kernels.moe import gate
+    from kernels.moe import ROUTE_EXPERTS, gate
     from model.moe import Gate
 
     g = torch.Generator(device="cuda").manual_seed(E)
@@ -519,8 +522,24 @@ def test_compiled_gate_is_the_torch_gate_within_fp32_rounding_and_batch_invarian
         assert torch.equal(w, got_w[i:i + 1]) and torch.equal(ids, got_ids[i:i + 1])
     step = gate(x[:64], module.weight_fp32(), module.bias, 1.0, k, True, 1.5)  # a decode step's tile (gate_tiles)
     assert torch.equal(step[0], got_w[:64]) and torch.equal(step[1], got_ids[:64])
-    bf16_weight = gate(x, module.weight, module.bias, 1.0, k, True, 1.5)  # upcast in the kernel: the same chains
-    assert torch.equal(bf16_weight[0], got_w) and torch.equal(bf16_weight[1], got_ids)
+    bf16_weight = gate(x, module.weight, module.bias, 1.0, k, True, 1.5)
+    if E <= ROUTE_EXPERTS:  # upcast in the kernel: the same chains
+        assert torch.equal(bf16_weight[0], got_w) and torch.equal(bf16_weight[1], got_ids)
+    else:  # on the tensor cores: exact products, fp32 sums in the MMA's order
+        tc_clear = (top[:, k - 1] - top[:, k]) > 1e-4
+        assert tc_clear.float().mean() > 0.9
+        picked = bf16_weight[1][tc_clear].sort(-1).values
+        assert torch.equal(picked, scores.topk(k, dim=-1).indices[tc_clear].sort(-1).values)
+        exact = (scores - module.bias.double()).gather(1, bf16_weight[1])
+        exact = exact / exact.sum(-1, keepdim=True) * 1.5
+        torch.testing.assert_close(bf16_weight[0][tc_clear].double(), exact[tc_clear], rtol=1e-4, atol=0)
+        for i in (0, 17, 999):
+            w, ids = gate(x[i:i + 1], module.weight, module.bias, 1.0, k, True, 1.5)
+            assert torch.equal(w, bf16_weight[0][i:i + 1]) and torch.equal(ids, bf16_weight[1][i:i + 1])
+        tc_step = gate(x[:64], module.weight, module.bias, 1.0, k, True, 1.5)
+        assert torch.equal(tc_step[0], bf16_weight[0][:64]) and torch.equal(tc_step[1], bf16_weight[1][:64])
+        fma = gate(x, module.weight, module.bias, 1.0, k, True, 1.5, batch_invariant=True)
+        assert torch.equal(fma[0], got_w) and torch.equal(fma[1], got_ids)
     print(f"E={E} d={d}: {(dense[0][same] != dense[1][same]).float().mean().item():.3%} of weights differ, "
           f"{(~same).sum().item()} rows pick otherwise ({(~clear).sum().item()} near ties), "
           f"{(got_ids != want_ids).any(-1).sum().item()} in another order")
