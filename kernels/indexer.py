@@ -146,10 +146,13 @@ if triton is not None:
         tl.store(out_ptr + row * (W + K) + j, listed, mask=j < W + K)
 
     @triton.jit
-    def _order_keys(scores_ptr, e, live, BITS: tl.constexpr):
+    def _order_keys(scores_ptr, e, live, BITS: tl.constexpr, KEYS: tl.constexpr = False):
         """int32 keys in the order of the fp32 values (of bf16 or fp32 scores); the key of -inf where not live.
         BITS 16 (bf16 scores): the top 16 bits alone, as the low 16 are all 0 or all 1 (the same order, one key a
-        value), so the search below takes 16 passes instead of 32."""
+        value), so the search below takes 16 passes instead of 32. KEYS: scores_ptr holds such keys already
+        (a row's candidates, `_topk_part_kernel`)."""
+        if KEYS:
+            return tl.load(scores_ptr + e, mask=live, other=-(1 << (BITS - 1)))
         x = tl.load(scores_ptr + e, mask=live, other=float("-inf")).to(tl.float32) + 0.0  # -0.0 -> +0.0
         bits = x.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -158,38 +161,74 @@ if triton is not None:
         return key
 
     @triton.jit
-    def _count_at_least(row, E, t, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    def _count_at_least(row, E, t, BLOCK: tl.constexpr, BITS: tl.constexpr, KEYS: tl.constexpr):
         """How many entries of a row too long to hold have a key >= t: one pass over it, BLOCK at a time."""
         count = tl.zeros([], tl.int32)
         for e0 in range(0, E, BLOCK):
             e = e0 + tl.arange(0, BLOCK)
-            count += tl.sum(((e < E) & (_order_keys(row, e, e < E, BITS) >= t)).to(tl.int32), axis=0)
+            count += tl.sum(((e < E) & (_order_keys(row, e, e < E, BITS, KEYS) >= t)).to(tl.int32), axis=0)
         return count
 
     @triton.jit
-    def _topk_entries_kernel(scores_ptr, vis_ptr, out_ptr, E, k, S, so_b, so_s, BLOCK: tl.constexpr,
-                             BITS: tl.constexpr, RESIDENT: tl.constexpr):
-        q = tl.program_id(0)  # one query (row b, position s) of scores [B, S, E] with strides so_b, so_s
-        b, s = q // S, q % S
-        row = scores_ptr + b.to(tl.int64) * so_b + s * so_s
-        offs = tl.arange(0, BLOCK)
-        if RESIDENT:  # the row fits in the program's registers (BLOCK >= E): one read of it
-            keys = _order_keys(row, offs, offs < E, BITS)
-        # The k-th largest key: the largest t with count(key >= t) >= k, by bisection over the keys' range
+    def _kth_key(keys, live, k, BITS: tl.constexpr):
+        """Of a row held in registers, keys [BLOCK] where `live`: the k-th largest key (the largest t with
+        count(key >= t) >= k, by bisection over the keys' range) and how many keys are above it."""
         lo = tl.full([], -(1 << (BITS - 1)), tl.int64)
         hi = tl.full([], (1 << (BITS - 1)) - 1, tl.int64)
         for _ in tl.static_range(BITS):
             mid = lo + (hi - lo + 1) // 2
-            if RESIDENT:
-                count = tl.sum(((offs < E) & (keys >= mid.to(tl.int32))).to(tl.int32), axis=0)
-            else:
-                count = _count_at_least(row, E, mid.to(tl.int32), BLOCK, BITS)
+            count = tl.sum((live & (keys >= mid.to(tl.int32))).to(tl.int32), axis=0)
             lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
         kth = lo.to(tl.int32)
+        return kth, tl.sum((live & (keys > kth)).to(tl.int32), axis=0)
+
+    @triton.jit
+    def _topk_part_kernel(scores_ptr, keys_ptr, ids_ptr, E, k, S, so_b, so_s, PART: tl.constexpr,
+                          BITS: tl.constexpr):
+        """Program (query, part): of entries [part·PART, part·PART + PART) of the query's row, the top k (all of
+        them in a shorter last part) by the same keys and the lower-index rule, in ascending index: their keys and
+        entry ids to [queries, parts, k] (int32), the slots past the part's entries the lowest key, id -1."""
+        q, part = tl.program_id(0), tl.program_id(1)
+        b, s = q // S, q % S
+        e = part * PART + tl.arange(0, PART)
+        live = e < E
+        keys = _order_keys(scores_ptr + b.to(tl.int64) * so_b + s * so_s, e, live, BITS)
+        kk = tl.minimum(k, E - part * PART)  # the entries this part keeps
+        kth, above = _kth_key(keys, live, kk, BITS)
+        equal = (live & (keys == kth)).to(tl.int32)
+        keep = ((live & (keys > kth)) | ((equal != 0) & (tl.cumsum(equal, axis=0) - equal < kk - above))).to(tl.int32)
+        at = tl.cumsum(keep, axis=0) - keep
+        base = (q.to(tl.int64) * tl.num_programs(1) + part) * k
+        tl.store(keys_ptr + base + at, keys, mask=(keep != 0) & (at < k))
+        tl.store(ids_ptr + base + at, e, mask=(keep != 0) & (at < k))
+        pad = tl.arange(0, PART)
+        tl.store(keys_ptr + base + pad, tl.full([PART], -(1 << (BITS - 1)), tl.int32), mask=(pad >= kk) & (pad < k))
+        tl.store(ids_ptr + base + pad, tl.full([PART], -1, tl.int32), mask=(pad >= kk) & (pad < k))
+
+    @triton.jit
+    def _topk_entries_kernel(scores_ptr, vis_ptr, out_ptr, E, k, S, so_b, so_s, ids_ptr, BLOCK: tl.constexpr,
+                             BITS: tl.constexpr, RESIDENT: tl.constexpr, CANDIDATES: tl.constexpr):
+        """Program (query): its top k of a row of E scores [B, S, E] (strides so_b, so_s), or with CANDIDATES of
+        its E candidates' keys [queries, E] (`_topk_part_kernel`'s, in ascending entry id) and their ids_ptr."""
+        q = tl.program_id(0)  # one query (row b, position s)
+        b, s = q // S, q % S
+        row = scores_ptr + b.to(tl.int64) * so_b + s * so_s
+        if CANDIDATES:
+            row = scores_ptr + q.to(tl.int64) * E
+        offs = tl.arange(0, BLOCK)
+        if RESIDENT:  # the row fits in the program's registers (BLOCK >= E): one read of it
+            keys = _order_keys(row, offs, offs < E, BITS, CANDIDATES)
         if RESIDENT:
-            above = tl.sum(((offs < E) & (keys > kth)).to(tl.int32), axis=0)
-        else:
-            above = _count_at_least(row, E, lo + 1, BLOCK, BITS)  # int64: no wrap past the top key
+            kth, above = _kth_key(keys, offs < E, k, BITS)
+        else:  # the same bisection, each pass reading the row again
+            lo = tl.full([], -(1 << (BITS - 1)), tl.int64)
+            hi = tl.full([], (1 << (BITS - 1)) - 1, tl.int64)
+            for _ in tl.static_range(BITS):
+                mid = lo + (hi - lo + 1) // 2
+                count = _count_at_least(row, E, mid.to(tl.int32), BLOCK, BITS, CANDIDATES)
+                lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
+            kth = lo.to(tl.int32)
+            above = _count_at_least(row, E, lo + 1, BLOCK, BITS, CANDIDATES)  # int64: no wrap past the top key
         ties = k - above  # the lowest-index `ties` entries equal to the k-th go in
         visible = tl.load(vis_ptr + q).to(tl.int64)
         written, seen_equal = tl.zeros([], tl.int32), tl.zeros([], tl.int32)
@@ -199,12 +238,15 @@ if triton is not None:
             if RESIDENT:
                 key = keys
             else:
-                key = _order_keys(row, e, live, BITS)
+                key = _order_keys(row, e, live, BITS, CANDIDATES)
             equal = (live & (key == kth)).to(tl.int32)
             rank = seen_equal + tl.cumsum(equal, axis=0) - equal  # equal entries before this one
             keep = ((live & (key > kth)) | ((equal != 0) & (rank < ties))).to(tl.int32)
             at = written + tl.cumsum(keep, axis=0) - keep
-            tl.store(out_ptr + q.to(tl.int64) * k + at, tl.where(e.to(tl.int64) < visible, e.to(tl.int64), -1),
+            entry = e.to(tl.int64)
+            if CANDIDATES:
+                entry = tl.load(ids_ptr + q.to(tl.int64) * E + e, mask=live, other=-1).to(tl.int64)
+            tl.store(out_ptr + q.to(tl.int64) * k + at, tl.where(entry < visible, entry, -1),
                      mask=(keep != 0) & (at < k))  # never past the row, whatever the keys
             written += tl.sum(keep, axis=0)
             seen_equal += tl.sum(equal, axis=0)
@@ -215,6 +257,20 @@ RESIDENT_ENTRIES = 32768  # the longest row a top-k program holds in registers (
 def applies_topk(scores: torch.Tensor) -> bool:
     """CUDA, at any number of queries: the kernel beats the keyed top-k and sort at decode and prefill alike."""
     return triton is not None and scores.is_cuda
+
+
+# A row longer than this many entries takes its top-k in two launches: each part of TOPK_PART entries its own
+# program's top k (a row in registers on 4 warps), then the top k of the parts' candidates, a program a query. The
+# slice's decode rows past 32,768 entries were read again for each of 16 passes (0.17 ms a launch at 64 rows on
+# an H200, bench_topk.py); the parts are fixed by E alone, so the list is the one-pass list exactly.
+TOPK_PART = 4096
+TOPK_PARTS_FROM = 32768
+
+
+def topk_parts(E: int, k: int, part: int | None = None) -> int:
+    """How many parts of TOPK_PART (`part` overrides it; 0: none) a row of E entries takes its top k in."""
+    part = (TOPK_PART if E > TOPK_PARTS_FROM else 0) if part is None else part
+    return triton.cdiv(E, part) if part and k <= part and E > part else 0
 
 
 def topk_config(E: int, dtype: torch.dtype, block: int | None = None, num_warps: int | None = None) -> dict:
@@ -230,16 +286,27 @@ def topk_config(E: int, dtype: torch.dtype, block: int | None = None, num_warps:
 
 
 def topk_entries(scores: torch.Tensor, visible: torch.Tensor, k: int, block: int | None = None,
-                 num_warps: int | None = None) -> torch.Tensor:
+                 num_warps: int | None = None, part: int | None = None) -> torch.Tensor:
     """scores [B,S,E] (bf16 or fp32, -inf where masked), visible [B,S] -> the top-k entry ids [B,S,k] int64 in
     ascending order, -1 where j >= V(p), equal scores going to the lower index: model/attention.py
-    `topk_entries` with the "lower-index" rule, the same list. 0 < k <= E; `block`, `num_warps`: tests, tuning."""
+    `topk_entries` with the "lower-index" rule, the same list. 0 < k <= E; `block`, `num_warps`, `part` (a power
+    of two, `topk_parts`): tests, tuning."""
     B, S, E = scores.shape
     out = torch.empty(B, S, k, dtype=torch.long, device=scores.device)
-    if B * S:
-        scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-        _topk_entries_kernel[(B * S,)](scores, visible.contiguous(), out, E, k, S, scores.stride(0), scores.stride(1),
-                                       **topk_config(E, scores.dtype, block, num_warps))
+    if not B * S:
+        return out
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    parts, bits = topk_parts(E, k, part), 16 if scores.dtype == torch.bfloat16 else 32
+    ids = out
+    if parts:  # each part's top k, then the top k of the parts' candidates (their keys, in ascending id)
+        keys = torch.empty(B * S, parts * k, dtype=torch.int32, device=scores.device)
+        ids = torch.empty(B * S, parts * k, dtype=torch.int32, device=scores.device)
+        _topk_part_kernel[(B * S, parts)](scores, keys, ids, E, k, S, scores.stride(0), scores.stride(1),
+                                          PART=part or TOPK_PART, BITS=bits, num_warps=4)
+        scores, E = keys, parts * k
+    cfg = topk_config(E, scores.dtype, block, num_warps)
+    _topk_entries_kernel[(B * S,)](scores, visible.contiguous(), out, E, k, S, scores.stride(0), scores.stride(1), ids,
+                                   **dict(cfg, BITS=bits), CANDIDATES=bool(parts))
     return out
 
 

@@ -661,11 +661,14 @@ def test_engram_gate_kernel_past_the_wide_dim_matches_the_torch_path(monkeypatch
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("E, k, block", [(300, 64, 4096), (300, 64, 128), (50, 50, 64), (37, 5, 16)])
-def test_topk_entries_kernel_gives_the_torch_list(dtype, E, k, block):
+@pytest.mark.parametrize("E, k, block, part", [(300, 64, 4096, None), (300, 64, 128, None), (50, 50, 64, None),
+                                               (37, 5, 16, None), (300, 64, 4096, 64), (300, 64, 128, 128)])
+def test_topk_entries_kernel_gives_the_torch_list(dtype, E, k, block, part):
     """kernels/indexer.py's top-k against model/attention.py's keyed top-k, sort and mask: the same list, with
     ties at the k-th score (bf16 scores of few values), -0.0 beside +0.0, -inf (masked and invisible entries)
-    inside the top k, rows where fewer than k entries are visible, and rows over several passes (block < E)."""
+    inside the top k, rows where fewer than k entries are visible, and rows over several passes (block < E);
+    in two launches (`part`: each part's top k, a last part shorter than k, then the candidates' top k, held or
+    over several passes)."""
     from kernels import indexer as indexer_kernel
     from model.attention import topk_entries
 
@@ -679,7 +682,8 @@ def test_topk_entries_kernel_gives_the_torch_list(dtype, E, k, block):
     visible[2, 3] = E
     scores = scores.masked_fill(torch.arange(E) >= visible.unsqueeze(-1), -torch.inf)
     scores[2, 0, :E // 2] = -torch.inf  # masked by candidates inside the visible entries
-    got = indexer_kernel.topk_entries(scores, visible, k, block)
+    assert indexer_kernel.topk_parts(E, k, part) == {None: 0, 64: 5, 128: 3}[part]
+    got = indexer_kernel.topk_entries(scores, visible, k, block, part=part)
     assert torch.equal(got, topk_entries(scores, visible, k))
 
 

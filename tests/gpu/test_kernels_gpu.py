@@ -743,12 +743,16 @@ def test_compiled_engram_kernels_match_the_torch_path(name, fused):
 
 
 @pytest.mark.parametrize("B, S, E, k", [(64, 1, 16384, 512), (64, 1, 32768, 512), (64, 1, 300, 64), (2, 300, 150, 64),
-                                        (4, 1, 70000, 2048), (1, 4096, 8192, 512)])
+                                        (4, 1, 70000, 2048), (1, 4096, 8192, 512), (64, 1, 32788, 512),
+                                        (64, 1, 131072, 512)])
 def test_compiled_topk_entries_give_the_torch_list(B, S, E, k, fused):
     """kernels/indexer.py's top-k compiled against the keyed top-k, sort and mask of the torch path: the same
     list, on bf16 scores with ties and -inf, at slice decode shapes (16k and 32k entries, k = 512: rows held in
-    registers), tiny-68m's, a row longer than RESIDENT_ENTRIES (read again each pass) and a prefill chunk's."""
+    registers), tiny-68m's, a prefill chunk's, and rows longer than TOPK_PARTS_FROM in two launches (32,788 and
+    131,072 entries: the candidates held; 70,000 at k = 2,048: the candidates read again each pass), where the
+    one launch reading the row again each pass (part = 0) gives the same list."""
     import model.attention as attention
+    from kernels import indexer as indexer_kernel
 
     g = torch.Generator(device="cuda").manual_seed(E)
     scores = torch.randn(B, S, E, device="cuda", generator=g).bfloat16()
@@ -762,6 +766,8 @@ def test_compiled_topk_entries_give_the_torch_list(B, S, E, k, fused):
     finally:
         attention.USE_KERNELS = True
     assert torch.equal(got, want)
+    if indexer_kernel.topk_parts(E, k):
+        assert torch.equal(indexer_kernel.topk_entries(scores, visible, k, part=0), want)
 
 
 @pytest.mark.parametrize("B", [1, 64, 1000])
