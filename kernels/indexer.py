@@ -24,7 +24,8 @@ Between its projections and its top-k, and the index list after it: where a deco
   the keys' range (16 counting passes for bf16, 32 for fp32) on the row held in registers (up to
   RESIDENT_ENTRIES; a longer row is read again each pass), then the entries above it and the lowest-index ones
   equal to it, written in ascending index order by a running count, -1 from V(p) on: the same list as the keyed
-  top-k, sort and mask of the torch path (a set is a set), in one launch instead of about a dozen, 2-10x faster
+  top-k, sort and mask of the torch path (a set is a set), in one launch instead of about a dozen (two past
+  TOPK_PARTS_FROM entries: each part's top k, then the candidates'), 2-10x faster
   than the torch path at the prefill shapes measured and 3-5x faster than the bisection over memory before it at
   decode's (benchmarks/RESULTS.md), so every CUDA step takes it (`applies_topk`); the choice moves no bits.
 - `attention_list`: model/attention.py's `attention_list` (with the shift of the top-k entries to their
@@ -259,10 +260,12 @@ def applies_topk(scores: torch.Tensor) -> bool:
     return triton is not None and scores.is_cuda
 
 
-# A row longer than this many entries takes its top-k in two launches: each part of TOPK_PART entries its own
+# A row longer than TOPK_PARTS_FROM entries takes its top-k in two launches: each part of TOPK_PART entries its own
 # program's top k (a row in registers on 4 warps), then the top k of the parts' candidates, a program a query. The
-# slice's decode rows past 32,768 entries were read again for each of 16 passes (0.17 ms a launch at 64 rows on
-# an H200, bench_topk.py); the parts are fixed by E alone, so the list is the one-pass list exactly.
+# slice's ratio-1 decode rows (32,768 entries and the steps since) were read again for each of 16 passes: 64 x
+# 32,788 took 0.126 ms, in parts of 4,096 0.060; 64 x 131,072 0.359 -> 0.133 (H100, bench_topk.py). A row held
+# whole gains little (64 x 16,384: 0.025 -> 0.020) and a prefill chunk's loses (4,096 x 16,384: 0.737 -> 0.781).
+# The list is the one launch's, exactly: a set is a set, and each part keeps its top k by the same order.
 TOPK_PART = 4096
 TOPK_PARTS_FROM = 32768
 
