@@ -219,7 +219,6 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         if RESIDENT:  # the row fits in the program's registers (BLOCK >= E): one read of it
             keys = _order_keys(row, offs, offs < E, BITS, CANDIDATES)
-        if RESIDENT:
             kth, above = _kth_key(keys, offs < E, k, BITS)
         else:  # the same bisection, each pass reading the row again
             lo = tl.full([], -(1 << (BITS - 1)), tl.int64)
