@@ -167,7 +167,10 @@ MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, B=bits, num_warps=w, num_stages=
                        # an iteration's codes one load (kernels/fp4_moe.py `_code_groups`, U of 1, 2 or 4)
                        + [dict(BM=16, BN=bn, U=u, KS=1, num_warps=w, num_stages=st)
                           for bn, u, w, st in [(128, 2, 8, 3), (128, 4, 8, 3), (64, 2, 4, 3), (128, 2, 8, 4),
-                                               (64, 4, 4, 3), (128, 4, 4, 3)]],
+                                               (64, 4, 4, 3), (128, 4, 4, 3),
+                                               # 256 weight rows a program: x's rows, re-read from L2 by every
+                                               # block of outputs (half the weight's bytes again at 128), halved
+                                               (256, 2, 8, 3), (256, 2, 8, 4), (256, 2, 16, 3)]],
              "prefill": [dict(BM=bm, BN=bn, U=u, B=bits, num_warps=w, num_stages=st)
                          for bm, bn, u, w, st, bits in
                          [(128, 128, 2, 4, 3, 0), (128, 128, 2, 4, 3, 1), (64, 128, 2, 4, 3, 0), (64, 128, 2, 4, 3, 1),
