@@ -184,6 +184,14 @@ if triton is not None:
         return kth, tl.sum((live & (keys > kth)).to(tl.int32), axis=0)
 
     @triton.jit
+    def _kept(key, live, kth, ties, seen_equal):
+        """Which of a block of keys the top k keeps: those above the k-th key, and of those equal to it the
+        lowest-index `ties` (`seen_equal` of them in earlier blocks) -> (keep int32 [BLOCK], equal int32 [BLOCK])."""
+        equal = (live & (key == kth)).to(tl.int32)
+        rank = seen_equal + tl.cumsum(equal, axis=0) - equal  # equal entries before this one
+        return ((live & (key > kth)) | ((equal != 0) & (rank < ties))).to(tl.int32), equal
+
+    @triton.jit
     def _topk_part_kernel(scores_ptr, keys_ptr, ids_ptr, E, k, S, so_b, so_s, PART: tl.constexpr,
                           BITS: tl.constexpr):
         """Program (query, part): of entries [part·PART, part·PART + PART) of the query's row, the top k (all of
@@ -196,8 +204,7 @@ if triton is not None:
         keys = _order_keys(scores_ptr + b.to(tl.int64) * so_b + s * so_s, e, live, BITS)
         kk = tl.minimum(k, E - part * PART)  # the entries this part keeps
         kth, above = _kth_key(keys, live, kk, BITS)
-        equal = (live & (keys == kth)).to(tl.int32)
-        keep = ((live & (keys > kth)) | ((equal != 0) & (tl.cumsum(equal, axis=0) - equal < kk - above))).to(tl.int32)
+        keep, _ = _kept(keys, live, kth, kk - above, 0)
         at = tl.cumsum(keep, axis=0) - keep
         base = (q.to(tl.int64) * tl.num_programs(1) + part) * k
         tl.store(keys_ptr + base + at, keys, mask=(keep != 0) & (at < k))
@@ -239,9 +246,7 @@ if triton is not None:
                 key = keys
             else:
                 key = _order_keys(row, e, live, BITS, CANDIDATES)
-            equal = (live & (key == kth)).to(tl.int32)
-            rank = seen_equal + tl.cumsum(equal, axis=0) - equal  # equal entries before this one
-            keep = ((live & (key > kth)) | ((equal != 0) & (rank < ties))).to(tl.int32)
+            keep, equal = _kept(key, live, kth, ties, seen_equal)
             at = written + tl.cumsum(keep, axis=0) - keep
             entry = e.to(tl.int64)
             if CANDIDATES:
