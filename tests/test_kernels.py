@@ -499,6 +499,9 @@ def test_gate_kernel_is_the_torch_gate_within_fp32_rounding(E, k, temp, part_d, 
     rtol = 1e-5 + 0.5 / temp * D * 2 ** -24 * sums.amax(-1, keepdim=True)  # a slot's weight also carries the row's sum
     assert ((got_w - want_w).abs() <= rtol * want_w.abs()).all(), ((got_w - want_w).abs() / want_w.abs()).amax()
     assert k == 1 or (want_w[:, 0] < 1e-8).all()
+    if part_d:  # the parts are taken (on the tensor cores too, below TC_ROWS rows): other sums than one part's
+        whole = gate(x, module.weight, bias, temp, k, True, 1.5, tc=tc, part_d=0)
+        assert not torch.equal(got_w, whole[0])
 
 
 @needs_interpreter
