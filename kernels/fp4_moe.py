@@ -312,10 +312,11 @@ def config(pairs: int, experts: int) -> dict:
     patterns (`_w_group`; the same values, more instructions: moe_forward's path for scales past
     BIT_DECODE_MAX_SCALE). KS=1 walks a group's K in the dot's slot order (`_slot_k`): a thread's code bytes one
     word, not four bytes (4 LDSM an iteration for 32 LDS.U8 on sm_90): decode's default, 6-10% faster there on an
-    H100; prefill's tiles were slower with it (benchmarks/RESULTS.md). U = 2 everywhere since an iteration's codes
-    are one load (`_code_groups`): decode's tile at U = 4 then took 52 registers and 1.2x longer on an H200."""
-    if pairs <= 4 * experts:  # decode: the best of 11 at 16 and 64 rows (H100), U = 2 since the one load; K slot order
-        return dict(BM=16, BN=128, U=2, KS=1, num_warps=8, num_stages=3)
+    H100; prefill's tiles were slower with it (benchmarks/RESULTS.md). U = 2 at prefill since an iteration's codes are
+    one load (`_code_groups`); at decode U = 4 took 52 registers and 1.2x longer on 8 warps (H200), but on 4 warps
+    (one warpgroup, 128 weight rows) 0.96x U = 2's time on 8, and the slice's decode step 0.96x (H100)."""
+    if pairs <= 4 * experts:  # decode: the best of 21 at 64 rows (H100): 4 warps, U = 4, K in slot order
+        return dict(BM=16, BN=128, U=4, KS=1, num_warps=4, num_stages=3)
     if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 11 at 2,048 rows
         return dict(BM=64, BN=128, U=2, num_warps=4, num_stages=3)
     return dict(BM=128, BN=64, U=2, num_warps=4, num_stages=3)  # the best of 11 at 8,192 rows
