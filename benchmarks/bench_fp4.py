@@ -170,7 +170,9 @@ MOE_SWEEP = {"decode": [dict(BM=16, BN=bn, U=u, B=bits, num_warps=w, num_stages=
                                                (64, 4, 4, 3), (128, 4, 4, 3),
                                                # 256 weight rows a program: x's rows, re-read from L2 by every
                                                # block of outputs (half the weight's bytes again at 128), halved
-                                               (256, 2, 8, 3), (256, 2, 8, 4), (256, 2, 16, 3)]],
+                                               (256, 2, 8, 3), (256, 2, 8, 4), (256, 2, 16, 3),
+                                               # one warpgroup at U = 4 (config's decode tile) by its stages
+                                               (128, 4, 4, 2), (128, 4, 4, 4)]],
              "prefill": [dict(BM=bm, BN=bn, U=u, B=bits, num_warps=w, num_stages=st)
                          for bm, bn, u, w, st, bits in
                          [(128, 128, 2, 4, 3, 0), (128, 128, 2, 4, 3, 1), (64, 128, 2, 4, 3, 0), (64, 128, 2, 4, 3, 1),
