@@ -276,6 +276,11 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
                 s = timed(graphed(lambda: fp8_gemm.fp8_gemm(x, codes, scale, cfg=cfg)), iters, "cuda")
                 print(f"| {N} x {K} | {m} | {', '.join(map(str, cfg))} | {s * 1e3:.4f} | {N * K / HBM / s:.1%} |",
                       flush=True)
+            if m <= 64 and fp8_gemm.config(m, N, K)[5] > 1:  # a split K's sums: a second launch, or the last program
+                for last in (False, True):
+                    s = timed(graphed(lambda: fp8_gemm.fp8_gemm(x, codes, scale, last_sums=last)), iters, "cuda")
+                    print(f"| {N} x {K} | {m} | config, split sums {'in the last program' if last else 'a launch'} | "
+                          f"{s * 1e3:.4f} | {N * K / HBM / s:.1%} |", flush=True)
 
 
 def main() -> None:
