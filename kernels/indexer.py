@@ -171,17 +171,24 @@ if triton is not None:
         return count
 
     @triton.jit
-    def _kth_key(keys, live, k, BITS: tl.constexpr):
-        """Of a row held in registers, keys [BLOCK] where `live`: the k-th largest key (the largest t with
-        count(key >= t) >= k, by bisection over the keys' range) and how many keys are above it."""
+    def _kth_key(keys, live, k, BITS: tl.constexpr, row, E, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                 KEYS: tl.constexpr):
+        """The k-th largest key of a row (the largest t with count(key >= t) >= k, by bisection over the keys'
+        range) and how many keys are above it. RESIDENT: the row held in registers, keys [BLOCK] where `live`;
+        else each count reads the row's E entries again from `row` (`_count_at_least`; keys, live unused)."""
         lo = tl.full([], -(1 << (BITS - 1)), tl.int64)
         hi = tl.full([], (1 << (BITS - 1)) - 1, tl.int64)
         for _ in tl.static_range(BITS):
             mid = lo + (hi - lo + 1) // 2
-            count = tl.sum((live & (keys >= mid.to(tl.int32))).to(tl.int32), axis=0)
+            if RESIDENT:
+                count = tl.sum((live & (keys >= mid.to(tl.int32))).to(tl.int32), axis=0)
+            else:
+                count = _count_at_least(row, E, mid.to(tl.int32), BLOCK, BITS, KEYS)
             lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
         kth = lo.to(tl.int32)
-        return kth, tl.sum((live & (keys > kth)).to(tl.int32), axis=0)
+        if RESIDENT:
+            return kth, tl.sum((live & (keys > kth)).to(tl.int32), axis=0)
+        return kth, _count_at_least(row, E, lo + 1, BLOCK, BITS, KEYS)  # int64: no wrap past the top key
 
     @triton.jit
     def _kept(key, live, kth, ties, seen_equal):
@@ -203,7 +210,7 @@ if triton is not None:
         live = e < E
         keys = _order_keys(scores_ptr + b.to(tl.int64) * so_b + s * so_s, e, live, BITS)
         kk = tl.minimum(k, E - part * PART)  # the entries this part keeps
-        kth, above = _kth_key(keys, live, kk, BITS)
+        kth, above = _kth_key(keys, live, kk, BITS, scores_ptr, E, PART, True, False)
         keep, _ = _kept(keys, live, kth, kk - above, 0)
         at = tl.cumsum(keep, axis=0) - keep
         base = (q.to(tl.int64) * tl.num_programs(1) + part) * k
@@ -226,16 +233,9 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         if RESIDENT:  # the row fits in the program's registers (BLOCK >= E): one read of it
             keys = _order_keys(row, offs, offs < E, BITS, CANDIDATES)
-            kth, above = _kth_key(keys, offs < E, k, BITS)
-        else:  # the same bisection, each pass reading the row again
-            lo = tl.full([], -(1 << (BITS - 1)), tl.int64)
-            hi = tl.full([], (1 << (BITS - 1)) - 1, tl.int64)
-            for _ in tl.static_range(BITS):
-                mid = lo + (hi - lo + 1) // 2
-                count = _count_at_least(row, E, mid.to(tl.int32), BLOCK, BITS, CANDIDATES)
-                lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
-            kth = lo.to(tl.int32)
-            above = _count_at_least(row, E, lo + 1, BLOCK, BITS, CANDIDATES)  # int64: no wrap past the top key
+            kth, above = _kth_key(keys, offs < E, k, BITS, row, E, BLOCK, True, CANDIDATES)
+        else:  # each pass reads the row again
+            kth, above = _kth_key(offs, offs < E, k, BITS, row, E, BLOCK, False, CANDIDATES)
         ties = k - above  # the lowest-index `ties` entries equal to the k-th go in
         visible = tl.load(vis_ptr + q).to(tl.int64)
         written, seen_equal = tl.zeros([], tl.int32), tl.zeros([], tl.int32)
