@@ -11,7 +11,7 @@ CUDA events. Bytes floor: the weight bytes a call must read (the selected expert
 shared expert, the gate's fp32 copy) over 4.8 TB/s, the H200's HBM3e peak.
 
 Usage: python benchmarks/bench_fp4.py [--batches 1,16,64] [--prefill 4096] [--iters 20] [--tiny] [--sweep]
-                                      [--gate-sweep]
+                                      [--gate-sweep] [--chain]
 (`--tiny`: micro widths on the CPU, to check the script; not a measurement.)
 """
 from __future__ import annotations
@@ -276,11 +276,39 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
                 s = timed(graphed(lambda: fp8_gemm.fp8_gemm(x, codes, scale, cfg=cfg)), iters, "cuda")
                 print(f"| {N} x {K} | {m} | {', '.join(map(str, cfg))} | {s * 1e3:.4f} | {N * K / HBM / s:.1%} |",
                       flush=True)
-            if m <= 64 and fp8_gemm.config(m, N, K)[5] > 1:  # a split K's sums: a second launch, or the last program
-                for last in (False, True):
-                    s = timed(graphed(lambda: fp8_gemm.fp8_gemm(x, codes, scale, last_sums=last)), iters, "cuda")
-                    print(f"| {N} x {K} | {m} | config, split sums {'in the last program' if last else 'a launch'} | "
-                          f"{s * 1e3:.4f} | {N * K / HBM / s:.1%} |", flush=True)
+
+
+def chain(args, rows: int, iters: int, gen) -> None:
+    """A decode step's FP8 linears in a row (act_quant, then the GEMM: FP8Linear on CUDA), the slice's seven
+    a layer (wq_a, wq_b, wkv, wo_b, the shared expert's w1, w3, w2) over n_layers layers of their own weights,
+    in one CUDA graph: by the split's programs (kernels/fp8_gemm.py TARGET_PROGRAMS, MAX_SPLIT), all of them and
+    each shape's n_layers alone."""
+    from kernels import fp8_gemm
+    from kernels.quant import act_quant_fp8
+
+    d, inter = args.dim, args.moe_inter_dim
+    shapes = [(1280, d), (args.n_heads * args.head_dim, 1280), (512, d), (d, 8192), (inter, d), (inter, d), (d, inter)]
+    layers = []
+    for _ in range(args.n_layers):
+        for N, K in shapes:
+            codes = torch.randint(0, 0x7f, (N, K), generator=gen, device="cuda", dtype=torch.uint8)
+            scale = torch.full((N // 32, K // 32), 118, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
+            layers.append((torch.randn(rows, K, generator=gen, device="cuda").bfloat16(),
+                           codes.view(torch.float8_e4m3fn), scale))
+    groups = {"all": layers, **{f"{N} x {K}": layers[i::len(shapes)] for i, (N, K) in enumerate(shapes)}}
+    print(f"| FP8 linears in a row ({rows} rows) | TARGET_PROGRAMS, MAX_SPLIT | launches | ms (graph) | us a linear "
+          "| floor/measured |")
+    print("|---|---|---|---|---|---|")
+    kept = fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT
+    for name, group in groups.items():
+        floor = sum(w.numel() for _, w, _ in group) / HBM
+        for target, most in [kept, (132, 16), (528, 16), (264, 8), (264, 32), (1056, 32), kept]:
+            fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = target, most
+            fn = lambda: [fp8_gemm.fp8_gemm(act_quant_fp8(x, 32), w, s) for x, w, s in group]
+            s = timed(graphed(fn), iters, "cuda")
+            print(f"| {name} | {target}, {most} | {len(group)} | {s * 1e3:.3f} | {s * 1e6 / len(group):.1f} | "
+                  f"{floor / s:.1%} |", flush=True)
+    fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = kept
 
 
 def main() -> None:
@@ -295,6 +323,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true",
                    help="time tile configurations of both kernels (the MoE's under uniform routing and, at decode "
                         "rows, with every row among the same 32 experts), then stop")
+    p.add_argument("--chain", action="store_true",
+                   help="time a decode step's FP8 linears in a row at the largest of --batches by the K split's "
+                        "programs, then stop")
     a = p.parse_args()
     device = "cpu" if a.tiny else "cuda"
     args = preset("micro" if a.tiny else "v41-slice")
@@ -305,6 +336,8 @@ def main() -> None:
               f"torch {torch.__version__}")
     if a.gate_sweep:
         return gate_sweep(args, a.prefill, a.iters, gen)
+    if a.chain:
+        return chain(args, max(batches), a.iters, gen)
     if a.sweep:
         return sweep(args, batches, a.prefill, a.iters, gen)
     shapes = dense_shapes(args)

@@ -51,10 +51,7 @@ TILE = 32  # the weight's scale tile (model/quant.py WEIGHT_TILE)
 # experts never have a bf16 copy (kernels/fp4_moe.py).
 DEQUANT_ROWS = 1024
 TARGET_PROGRAMS = 264  # enough programs to keep an H200's 132 SMs busy twice over (a constant: same split anywhere)
-# A split K's parts added by the last program of each tile (`_fp8_gemm_kernel` LAST_SUMS) instead of a second
-# launch (`_sum_parts_kernel`): the same sums, bit for bit; off until timed (bench_fp4.py --sweep times both).
-LAST_SUMS = False
-_counters: dict = {}  # device -> int32 [TARGET_PROGRAMS] tile counters, all 0 between launches
+MAX_SPLIT = 16  # parts of K at most
 
 
 if triton is not None:
@@ -95,17 +92,13 @@ if triton is not None:
 
     @triton.jit
     def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, split_stride, k_per_split,
-                         y_ptr, count_ptr, n_split,
                          HW_FP8: tl.constexpr, BF16: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
-                         LAST_SUMS: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr):
         """out [BM, BN] of x's rows rm and W's rows rn over this program's part of K. SWAP: the product is
         computed transposed, [BN, BM] = W·xᵀ, the decoded weight the dot's first operand (a tensor-core dot
         takes it from registers: wgmma's A) and x's rows its second (from shared memory), so a block of rows
         as few as 16 fills the MMA's N side and a weight tile is decoded once for up to 64 rows; unswapped,
-        x·Wᵀ, whose first operand must have 64 rows for wgmma. LAST_SUMS (a split K): the last of a tile's
-        n_split programs to finish adds their fp32 parts in split order into y, bf16 (`_sum_parts_kernel`'s
-        sums, in this launch), and sets the tile's counter back to 0 for the next launch."""
+        x·Wᵀ, whose first operand must have 64 rows for wgmma."""
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -129,21 +122,9 @@ if triton is not None:
         if out_ptr.dtype.element_ty == tl.bfloat16:
             acc = _round_bf16(acc, BF16)
         if SWAP:
-            at, live = rm.to(tl.int64)[None, :] * N + rn[:, None], (rm < M)[None, :] & (rn < N)[:, None]
+            tl.store(out + rm.to(tl.int64)[None, :] * N + rn[:, None], acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
         else:
-            at, live = rm.to(tl.int64)[:, None] * N + rn[None, :], (rm < M)[:, None] & (rn < N)[None, :]
-        tl.store(out + at, acc, mask=live)
-        if LAST_SUMS:  # every thread's part stored before the count (release); the parts read after it (acquire)
-            tl.debug_barrier()
-            tile = count_ptr + pid_m * tl.num_programs(1) + pid_n
-            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_split - 1:
-                part = out_ptr + at
-                total = tl.load(part, mask=live, other=0.0, cache_modifier=".cg")
-                for _ in range(1, n_split):
-                    part += split_stride
-                    total += tl.load(part, mask=live, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + at, _round_bf16(total, BF16), mask=live)
-                tl.atomic_xchg(tile, 0)
+            tl.store(out + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
 
     @triton.jit
     def _sum_parts_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
@@ -204,15 +185,15 @@ def config(M: int, N: int, K: int) -> tuple[int, int, int, int, bool, int]:
 
 
 def _split(M: int, N: int, K: int, BM: int, BN: int, BK: int) -> int:
-    """K split: enough programs for TARGET_PROGRAMS, at most 16 parts, each at least one K block."""
-    return max(1, min(TARGET_PROGRAMS // (triton.cdiv(M, BM) * triton.cdiv(N, BN)), triton.cdiv(K, BK), 16))
+    """K split: enough programs for TARGET_PROGRAMS, at most MAX_SPLIT parts, each at least one K block."""
+    return max(1, min(TARGET_PROGRAMS // (triton.cdiv(M, BM) * triton.cdiv(N, BN)), triton.cdiv(K, BK), MAX_SPLIT))
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: int | None = None,
-             hw: bool | None = None, cfg: tuple | None = None, last_sums: bool | None = None) -> torch.Tensor:
+             hw: bool | None = None, cfg: tuple | None = None) -> torch.Tensor:
     """x bf16 [..., K] (already FP8-quantised and back), weight float8_e4m3fn [N, K], scale float8_e8m0fnu
-    [ceil(N/32), K/32] -> bf16 [..., N]. `split`, `hw`, `cfg` and `last_sums` override the K split, the e4m3
-    decode, the (BM, BN, BK, num_warps, swap) tiles and LAST_SUMS (tests, benchmarks)."""
+    [ceil(N/32), K/32] -> bf16 [..., N]. `split`, `hw` and `cfg` override the K split, the e4m3 decode and
+    the (BM, BN, BK, num_warps, swap) tiles (tests, benchmarks)."""
     N, K = weight.shape
     if K % TILE or scale.shape != (triton.cdiv(N, TILE), K // TILE):
         raise ValueError(f"fp8_gemm: weight {tuple(weight.shape)} with scale {tuple(scale.shape)} is not "
@@ -227,21 +208,12 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: 
     k_per_split = triton.cdiv(triton.cdiv(K, BK), split or auto_split) * BK
     split = triton.cdiv(K, k_per_split)
     out = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else torch.bfloat16, device=x.device)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), split)
-    last = split > 1 and (LAST_SUMS if last_sums is None else last_sums)
-    y, counts = out[0], out  # unused unless last
-    if last:
-        y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-        counts = _counters.get(x.device)
-        if counts is None or counts.numel() < grid[0] * grid[1]:  # zeros; each launch leaves them so
-            counts = _counters[x.device] = torch.zeros(max(TARGET_PROGRAMS, grid[0] * grid[1]), dtype=torch.int32,
-                                                       device=x.device)
     if M:
+        grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), split)
         _fp8_gemm_kernel[grid](rows, weight.view(torch.uint8), scale.view(torch.uint8), out, M, N, K, rows.stride(0),
-                               M * N, k_per_split, y, counts, split, HW_FP8=hw_fp8(x.device) if hw is None else hw,
-                               BF16=x.is_cuda, BM=BM, BN=BN, BK=BK, SWAP=swap, LAST_SUMS=last, num_warps=warps,
-                               num_stages=3)
-    return (y if last or split == 1 else sum_parts(out)).view(*x.shape[:-1], N)
+                               M * N, k_per_split, HW_FP8=hw_fp8(x.device) if hw is None else hw,
+                               BF16=x.is_cuda, BM=BM, BN=BN, BK=BK, SWAP=swap, num_warps=warps, num_stages=3)
+    return (out[0] if split == 1 else sum_parts(out)).view(*x.shape[:-1], N)
 
 
 def sum_parts(parts: torch.Tensor) -> torch.Tensor:
