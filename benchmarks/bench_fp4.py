@@ -300,15 +300,17 @@ def chain(args, rows: int, iters: int, gen) -> None:
           "| floor/measured |")
     print("|---|---|---|---|---|---|")
     kept = fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT
-    for name, group in groups.items():
-        floor = sum(w.numel() for _, w, _ in group) / HBM
-        for target, most in [kept, (132, 16), (528, 16), (264, 8), (264, 32), (1056, 32), kept]:
-            fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = target, most
-            fn = lambda: [fp8_gemm.fp8_gemm(act_quant_fp8(x, 32), w, s) for x, w, s in group]
-            s = timed(graphed(fn), iters, "cuda")
-            print(f"| {name} | {target}, {most} | {len(group)} | {s * 1e3:.3f} | {s * 1e6 / len(group):.1f} | "
-                  f"{floor / s:.1%} |", flush=True)
-    fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = kept
+    try:
+        for name, group in groups.items():
+            floor = sum(w.numel() for _, w, _ in group) / HBM
+            for target, most in [kept, (132, 16), (528, 16), (264, 8), (264, 32), (1056, 32), kept]:
+                fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = target, most
+                fn = lambda: [fp8_gemm.fp8_gemm(act_quant_fp8(x, 32), w, s) for x, w, s in group]
+                s = timed(graphed(fn), iters, "cuda")
+                print(f"| {name} | {target}, {most} | {len(group)} | {s * 1e3:.3f} | {s * 1e6 / len(group):.1f} | "
+                      f"{floor / s:.1%} |", flush=True)
+    finally:  # the module's split as it was, whatever failed
+        fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = kept
 
 
 def main() -> None:
