@@ -108,9 +108,10 @@ if gluon is not None:
 
     @gluon.jit
     def _decode(words, scale2):
-        """A group's codes, words [_BN, 4] int32 (`_CODES`), as bf16 values [_BN, 32] in the dot's K slot order in the
-        MMA's operand layout: byte q = 2h + p of word c holds slots 16h + 8p + 2c + j (nibble j). scale2 [_BN, 1]:
-        the group's 2^(s - 1) as two bf16 in a word."""
+        """A dot's codes, words [_BN, 4] int32 (`_CODES`), as bf16 values [_BN, 32] in the dot's K slot order in the
+        MMA's operand layout: byte q = 2h + p of word c holds slots 16h + 8p + 2c + j (nibble j). scale2 [_BN, 1]
+        (LANES = 0: a dot's words are one group's) or [_BN, 4] (LANES: word c is group g0 + c's): each word's
+        2^(s - 1) as two bf16 in a word."""
         ph = gl.join(gl.join(_byte(words, scale2, 0), _byte(words, scale2, 1)),
                      gl.join(_byte(words, scale2, 2), _byte(words, scale2, 3)))  # [_BN, c, p, h]
         lo, hi = _halves(ph)
