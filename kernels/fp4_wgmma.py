@@ -225,16 +225,22 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _tile_rows(tile_ptr):
+        """This program's block of outputs and tile (grid: a tile's blocks side by side, fp4_moe's), the tile's
+        expert (-1: dead), its first and end sorted pair rows, and its BM rows with their live mask (x's layout)."""
+        pid_n, t = gl.program_id(0), gl.program_id(1)
+        e = gl.load(tile_ptr + 3 * t)
+        row0, row_end = gl.load(tile_ptr + 3 * t + 1), gl.load(tile_ptr + 3 * t + 2)
+        r = row0 + gl.arange(0, _BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, _X)))
+        return pid_n, e, row0, row_end, r, r < row_end
+
+    @gluon.jit
     def _gate_up_kernel(x_words, pairs_ptr, tile_ptr, w_words, s_ptr, route_ptr, out_ptr, D, I, TOPK, limit,
                         OUTSTANDING: gl.constexpr, LANES: gl.constexpr):
         """fp4_moe `_gate_up_kernel` at decode's tile: _BN interleaved rows of w13 (2i: w1's row for output i,
         2i + 1: w3's), the hidden bf16 [P, I] for _BN / 2 outputs."""
-        pid_n, t = gl.program_id(0), gl.program_id(1)
-        e = gl.load(tile_ptr + 3 * t)
+        pid_n, e, row0, row_end, r, live = _tile_rows(tile_ptr)
         if e >= 0:
-            row0, row_end = gl.load(tile_ptr + 3 * t + 1), gl.load(tile_ptr + 3 * t + 2)
-            r = row0 + gl.arange(0, _BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, _X)))
-            live = r < row_end
             token = (gl.load(pairs_ptr + r, mask=live, other=0) // TOPK).to(gl.int64)
             i2 = gl.arange(0, _BN, layout=_ROWS)
             n2 = pid_n * (_BN // 2) + i2 // 2
@@ -264,12 +270,8 @@ if gluon is not None:
     def _down_kernel(x_words, tile_ptr, w_words, s_ptr, out_ptr, D, I, OUTSTANDING: gl.constexpr,
                      LANES: gl.constexpr):
         """fp4_moe `_down_kernel` at decode's tile: the w2 product of _BN outputs, bf16 [P, D]."""
-        pid_n, t = gl.program_id(0), gl.program_id(1)
-        e = gl.load(tile_ptr + 3 * t)
+        pid_n, e, row0, row_end, r, live = _tile_rows(tile_ptr)
         if e >= 0:
-            row0, row_end = gl.load(tile_ptr + 3 * t + 1), gl.load(tile_ptr + 3 * t + 2)
-            r = row0 + gl.arange(0, _BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, _X)))
-            live = r < row_end
             n = pid_n * _BN + gl.arange(0, _BN, layout=_ROWS)
             e64 = e.to(gl.int64)
             acc = _tile_k_loop(x_words, r.to(gl.int64), live, I, w_words + e64 * D * (I // 8),
