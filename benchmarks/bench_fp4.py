@@ -278,42 +278,6 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
                       flush=True)
 
 
-def tiles(args, batches: list[int], iters: int, gen) -> None:
-    """The routed experts at decode rows by the tile that runs them: fp4_moe's Triton tile (cfg G=0) and the
-    asynchronous-MMA tile (cfg G=1, kernels/fp4_wgmma.py, sm_90) with its variants, in two rounds; each variant's
-    bits asserted equal to those of the variant with its K order."""
-    from kernels import fp4_moe, fp4_wgmma
-    from kernels.quant import act_quant_fp8
-
-    E, D, inter, k = args.n_routed_experts, args.dim, args.moe_inter_dim, args.n_activated_experts
-    rnd = lambda *shape: torch.randint(0, 256, shape, generator=gen, device="cuda", dtype=torch.uint8)
-    w13, w2 = rnd(E, 2 * inter, D // 2), rnd(E, D, inter // 2)
-    s13 = torch.randint(100, 129, (E, 2 * inter, D // 32), generator=gen, device="cuda", dtype=torch.uint8)
-    s2 = torch.randint(100, 129, (E, D, inter // 32), generator=gen, device="cuda", dtype=torch.uint8)
-    if not fp4_wgmma.applies(torch.device("cuda")):
-        raise SystemExit("bench_fp4.py --tiles: the asynchronous-MMA tile runs on sm_90 only")
-    # (name, cfg, the variant whose bits it must give: the same K order)
-    variants = [("Triton tile", dict(G=0), 0), ("async, Triton's K order", dict(G=1, LANES=0), 0),
-                ("async", dict(G=1), 2), ("async, each MMA waited on", dict(G=1, OUTSTANDING=0), 2),
-                ("async, 96 registers", dict(G=1, maxnreg=96), 2), ("async, 112 registers", dict(G=1, maxnreg=112), 2)]
-    print("| routed FP4 experts rows | routing | " + " | ".join(f"{name} ms" for name, _, _ in variants) + " |")
-    print("|---|---|" + "---|" * len(variants))
-    for n in batches:
-        x = act_quant_fp8(torch.randn(n, D, generator=gen, device="cuda").bfloat16(), 32)
-        w = torch.rand(n, k, generator=gen, device="cuda")
-        for routing, among in {"uniform": E, "32 experts": 32}.items():
-            chosen = torch.randperm(E, generator=gen, device="cuda")[:among]
-            ids = chosen[torch.rand(n, among, generator=gen, device="cuda").topk(k, dim=-1).indices]
-            fns = [lambda cfg=cfg: fp4_moe.routed_experts(x, w, ids, w13, s13, w2, s2, 10.0, cfg=cfg)[0]
-                   for _, cfg, _ in variants]
-            outs = [fn() for fn in fns]
-            for (name, _, same), out in zip(variants, outs):
-                assert torch.equal(out, outs[same]), f"{n} rows, {routing}: {name}'s bits differ"
-            times = [[timed(graphed(fn), iters, "cuda") for fn in fns] for _ in range(2)]  # two rounds
-            print(f"| {n} | {routing} | " + " | ".join(f"{a * 1e3:.3f}, {b * 1e3:.3f}" for a, b in zip(*times)) + " |",
-                  flush=True)
-
-
 def chain(args, rows: int, iters: int, gen) -> None:
     """A decode step's FP8 linears in a row (act_quant, then the GEMM: FP8Linear on CUDA), the slice's seven
     a layer (wq_a, wq_b, wkv, wo_b, the shared expert's w1, w3, w2) over n_layers layers of their own weights,
@@ -364,9 +328,6 @@ def main() -> None:
     p.add_argument("--chain", action="store_true",
                    help="time a decode step's FP8 linears in a row at the largest of --batches by the K split's "
                         "programs, then stop")
-    p.add_argument("--tiles", action="store_true",
-                   help="time the routed experts at --batches rows by fp4_moe's Triton tile and the asynchronous-MMA "
-                        "tile (sm_90), then stop")
     a = p.parse_args()
     device = "cpu" if a.tiny else "cuda"
     args = preset("micro" if a.tiny else "v41-slice")
@@ -377,8 +338,6 @@ def main() -> None:
               f"torch {torch.__version__}")
     if a.gate_sweep:
         return gate_sweep(args, a.prefill, a.iters, gen)
-    if a.tiles:
-        return tiles(args, batches, a.iters, gen)
     if a.chain:
         return chain(args, max(batches), a.iters, gen)
     if a.sweep:

@@ -356,16 +356,7 @@ def main() -> None:
                    help="how decode rows get their context: prefilled, clones (benchmarks/clone.py) or both "
                         "(comma separated)")
     p.add_argument("--json", default=None)
-    p.add_argument("--async-tile", action="store_true",
-                   help="run the FP4 experts' decode tile as kernels/fp4_wgmma.py's asynchronous-MMA form (sm_90; off "
-                        "by default)")
     a = p.parse_args()
-    if a.async_tile:
-        from kernels import fp4_moe, fp4_wgmma
-
-        if not fp4_wgmma.applies(torch.device("cuda")):
-            p.error("--async-tile: the asynchronous-MMA tile runs on sm_90 only")
-        fp4_moe.ASYNC_TILE = 1
     rows_modes = set(a.rows.split(","))
     if not rows_modes or rows_modes - {"prefilled", "clones"}:
         p.error(f"--rows takes prefilled, clones or both, not {a.rows!r}")

@@ -58,7 +58,6 @@ OFF_PATH = {
     "engine/async_llm.py": "the engine in its own thread for `mdi-trace serve`; a step is the same step()",
     "kernels/fp8_gemm.py": "the FP8 GEMM of the released format on CUDA; the torch form is model/quant.py's",
     "kernels/fp4_moe.py": "the grouped MoE over FP4 experts on CUDA; the torch form is model/moe.py's",
-    "kernels/fp4_wgmma.py": "fp4_moe's decode tile with asynchronous MMAs on sm_90 (off by default, benchmarks)",
     "kernels/head.py": "the fp32 head of a wide model on bf16 tensor-core dots (CUDA); the torch form is "
                        "model/transformer.py's F.linear",
     "model/checkpoint.py": "random init, safetensors save and load: start-up, not a step",

@@ -53,7 +53,6 @@ try:  # Triton ships Linux wheels only; elsewhere model/moe.py's torch path is t
     import triton
     import triton.language as tl
 
-    from kernels import fp4_wgmma
     from kernels.fp8_gemm import _dot, _e4m3_values, _round_bf16, _e8m0_values, hw_fp8
     from kernels.quant import _quantise
     from triton.language.extra import libdevice
@@ -323,10 +322,6 @@ def config(pairs: int, experts: int) -> dict:
     return dict(BM=128, BN=64, U=2, num_warps=4, num_stages=3)  # the best of 11 at 8,192 rows
 
 
-# 1: decode's tile runs as kernels/fp4_wgmma.py's asynchronous-MMA form on sm_90 (cfg G's default; off until it is
-# timed faster there: benchmarks/bench_slice.py --async-tile sets it)
-ASYNC_TILE = 0
-
 # Up to this many (row, slot) pairs `plan` is one launch (`_plan_kernel`, a decode step's), beyond it torch's ops:
 # each of the launch's programs counts every pair.
 PLAN_PAIRS = 4096
@@ -373,8 +368,7 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     """Every (row, slot) pair's expert output, bf16 [N·k, dim] in sorted pair order, and `slots` [N, k] (plan).
     xq bf16 [N, dim] (act_quant'd); weights fp32 [N, k]; ids [N, k]; w13 uint8 [E, 2·inter, dim/2] (each
     expert's w1 rows then its w3 rows), s13 e8m0 [E, 2·inter, dim/32]; w2 uint8 [E, dim, inter/2], s2 e8m0
-    [E, dim, inter/32]. `hw` and `cfg` override the e4m3 decode and the tile configuration (tests, benchmarks);
-    cfg G=1 runs decode's tile as kernels/fp4_wgmma.py's asynchronous-MMA form on sm_90 (default ASYNC_TILE)."""
+    [E, dim, inter/32]. `hw` and `cfg` override the e4m3 decode and the tile configuration (tests, benchmarks)."""
     from kernels.quant import act_quant_fp8
 
     N, k = ids.shape
@@ -395,10 +389,6 @@ def routed_experts(xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         U //= 2
     hw = hw_fp8(xq.device) if hw is None else hw
     P, dev = N * k, xq.device
-    opts = {key: cfg.pop(key) for key in ("OUTSTANDING", "LANES", "maxnreg") if key in cfg}  # fp4_wgmma's settings
-    if cfg.pop("G", ASYNC_TILE) and fp4_wgmma.fits(dict(cfg, BM=BM, BN=BN, U=U, B=B, KS=ks)) and fp4_wgmma.applies(dev):
-        hidden = act_quant_fp8(fp4_wgmma.gate_up(xq, pairs, tiles, w13, s13, weights, D, I, k, limit, **opts), GROUP)
-        return fp4_wgmma.down(hidden, tiles, w2, s2, D, I, **opts), slots
     hidden = torch.empty(P, I, dtype=torch.bfloat16, device=dev)
     _gate_up_kernel[(triton.cdiv(I, BN // 2), tiles.size(0))](  # BN rows of w13: BN / 2 outputs
         xq.contiguous(), pairs, tiles, w13.view(torch.uint8), s13.view(torch.uint8), weights.contiguous().view(-1),

@@ -93,8 +93,8 @@ def test_compiled_fp4_decodes_give_the_same_bits(N, experts):
     pattern of code 1 included) and the e4m3 decode (cfg B=0) give the same outputs bit for bit at the slice's
     widths: the same weight values reach the same dots."""
     xq, weights, ids = routed_inputs(N, experts[0].size(0), seed=N + 1)
-    want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(B=0, G=0))
-    got, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(G=0))  # the Triton tile's decodes
+    want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(B=0))
+    got, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0)
     assert torch.equal(got, want)
 
 
@@ -103,9 +103,9 @@ def test_compiled_codes_in_one_load_give_the_same_bits(N, experts):
     """An iteration's U groups of codes one load (`_code_groups`), compiled at the slice's widths in each tier's
     tile: U = 2 (the default) and 4 give U = 1's outputs (a group a load) bit for bit."""
     xq, weights, ids = routed_inputs(N, experts[0].size(0), seed=N + 2)
-    want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(U=1, G=0))
-    for U in (2, 4):  # the Triton tile's (G=0)
-        got, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(U=U, G=0))
+    want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(U=1))
+    for U in (2, 4):
+        got, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(U=U))
         assert torch.equal(got, want), U
 
 
@@ -170,60 +170,3 @@ def test_grouped_moe_over_fp4_experts_matches_the_masked_path():
             static_y = moe(static_x)
         graph.replay()
         assert torch.equal(static_y, got)
-
-
-def async_cases(N: int, among: int, E: int):
-    """routed_experts's inputs at N rows, each row's 6 experts among `among` of E (the slice's random gate sends 64
-    rows to ~30 experts a layer); the sm_90 check of the asynchronous-MMA tile (skip elsewhere, said)."""
-    from kernels import fp4_wgmma
-
-    cap = torch.cuda.get_device_capability()
-    assert fp4_wgmma.applies(torch.device("cuda")) == (cap == (9, 0))
-    if cap != (9, 0):
-        pytest.skip(f"wgmma is sm_90's; this device is sm_{cap[0]}{cap[1]} (fp4_moe's Triton tile runs)")
-    assert fp4_wgmma.fits(fp4_moe.config(N * 6, E)) == (N * 6 <= 4 * E)  # decode's tier
-    xq, weights, ids = routed_inputs(N, E, seed=N + 7)
-    if among < E:
-        g = torch.Generator(device="cuda").manual_seed(N)
-        chosen = torch.randperm(E, generator=g, device="cuda")[:among]
-        ids = chosen[torch.rand(N, among, generator=g, device="cuda").topk(6, dim=-1).indices]
-    return xq, weights, ids
-
-
-ASYNC_CASES = [(1, 384), (16, 384), (64, 384), (64, 32), (256, 384)]  # 256 x 6 pairs: decode's tier at its edge
-
-
-@pytest.mark.parametrize("N,among", ASYNC_CASES)
-def test_the_async_mma_tile_in_the_triton_tiles_k_order_gives_its_bits(N, among, experts):
-    """kernels/fp4_wgmma.py's tile (cfg G=1) with LANES=0 (dot d takes scale group g0 + d, the Triton tile's K
-    slots): the Triton tile's outputs (G=0) bit for bit, with and without the clamp's limit: the same values reach
-    the same MMAs in the same order, the codes straight into the MMA's registers and the MMAs left running."""
-    xq, weights, ids = async_cases(N, among, experts[0].size(0))
-    for limit in (10.0, 0.0):
-        want, slots = fp4_moe.routed_experts(xq, weights, ids, *experts, limit, cfg=dict(G=0))
-        got, got_slots = fp4_moe.routed_experts(xq, weights, ids, *experts, limit, cfg=dict(G=1, LANES=0))
-        assert torch.equal(got_slots, slots)
-        assert torch.equal(got, want), (N, among, limit, (got != want).sum().item())
-
-
-@pytest.mark.parametrize("N,among", ASYNC_CASES)
-def test_the_async_mma_tile_is_the_triton_tiles_sum_in_another_order_and_deterministic(N, among, experts):
-    """kernels/fp4_wgmma.py's tile in its own K order (LANES=1: a row's 4 groups of an iteration one 16-byte load
-    each, lane c's words in every dot) sums the same exact products in another order: within test_compiled_fp4_moe_
-    matches_the_official_loop's tolerance of the Triton tile, mostly the same bits, not all of them (the order is
-    really another); and the same bits call after call and from a CUDA graph's replays (what `check` re-executes)."""
-    xq, weights, ids = async_cases(N, among, experts[0].size(0))
-    lanes = lambda: fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(G=1))[0]
-    want, _ = fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(G=0))
-    got = lanes()
-    torch.testing.assert_close(got, want, rtol=0, atol=2**-5 * want.abs().max().item())
-    assert (got == want).float().mean() > 0.5
-    assert not torch.equal(got, fp4_moe.routed_experts(xq, weights, ids, *experts, 10.0, cfg=dict(G=1, LANES=0))[0])
-    out = torch.empty_like(got)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(lanes())
-    for _ in range(3):
-        assert torch.equal(lanes(), got)
-        graph.replay()
-        assert torch.equal(out, got)
