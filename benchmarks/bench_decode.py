@@ -29,6 +29,7 @@ import argparse
 import json
 import random
 import time
+from collections import Counter
 
 import torch
 
@@ -167,10 +168,12 @@ def routed_experts(engine) -> dict:
     """A probe for `timed_decode`: one more decode step of the same rows, eager (hooks do not run in a CUDA
     graph's replay), counting the distinct routed experts each layer's gate picks for the step's rows: what the
     routed experts' bytes floor takes at their uniform-routing expectation (bench_slice.py `decode_floor`).
-    -> {"experts_per_layer": the mean over layers, "experts_expected": E·(1 - (1 - k/E)^rows)}."""
+    -> {"experts_per_layer": the mean over layers, "experts_expected": E·(1 - (1 - k/E)^rows), "rows_per_expert":
+    each layer's rows an expert gets, most first (the FP4 experts' tiles: kernels/fp4_moe.py plan), "ids": each
+    layer's ids [rows, k] (benchmarks/bench_fp4.py --ids replays them)}."""
     runner, picked = engine.runner, []
     layers = runner.model.weights.layers
-    hooks = [block.ffn.gate.register_forward_hook(lambda module, args, out: picked.append(out[1].unique().numel()))
+    hooks = [block.ffn.gate.register_forward_hook(lambda module, args, out: picked.append(out[1].tolist()))
              for block in layers]
     graphs, runner.use_cuda_graphs = runner.use_cuda_graphs, False
     try:
@@ -186,7 +189,9 @@ def routed_experts(engine) -> dict:
             h.remove()
     a = runner.model.args
     E, k = a.n_routed_experts, a.n_activated_experts
-    return {"experts_per_layer": sum(picked) / len(picked), "experts_expected": E * (1 - (1 - k / E) ** rows)}
+    counts = [sorted(Counter(e for row in ids for e in row).values(), reverse=True) for ids in picked]
+    return {"experts_per_layer": sum(map(len, counts)) / len(counts), "experts_expected": E * (1 - (1 - k / E) ** rows),
+            "rows_per_expert": counts, "ids": picked}
 
 
 def count_kernels(llm: LLM, batch: int, prompt_len: int, top: int = 0, fused: bool = True) -> int:

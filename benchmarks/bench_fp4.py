@@ -11,7 +11,7 @@ CUDA events. Bytes floor: the weight bytes a call must read (the selected expert
 shared expert, the gate's fp32 copy) over 4.8 TB/s, the H200's HBM3e peak.
 
 Usage: python benchmarks/bench_fp4.py [--batches 1,16,64] [--prefill 4096] [--iters 20] [--tiny] [--sweep]
-                                      [--gate-sweep] [--chain]
+                                      [--gate-sweep] [--chain] [--decode-rows [--ids FILE]]
 (`--tiny`: micro widths on the CPU, to check the script; not a measurement.)
 """
 from __future__ import annotations
@@ -313,6 +313,57 @@ def chain(args, rows: int, iters: int, gen) -> None:
         fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = kept
 
 
+def decode_rows(args, batches: list[int], iters: int, gen, ids_file: str | None, tiles: str) -> None:
+    """The routed experts at decode rows by the decode tile (`tiles`: "BM,BN,U,warps;..." over kernels/fp4_moe.py
+    DECODE_TILE, the first the baseline): uniform routing, every row among the same 32 experts, and (`ids_file`,
+    bench_slice.py --json) each layer's ids of the slice's counted decode step. Bits checked against the first
+    tile (a pair's sums are the same dots in the same K order whatever the tile's other pairs and rows); two
+    rounds each."""
+    import json
+
+    from kernels import fp4_moe
+
+    E, D, inter, k = args.n_routed_experts, args.dim, args.moe_inter_dim, args.n_activated_experts
+    rnd = lambda *shape: torch.randint(0, 256, shape, generator=gen, device="cuda", dtype=torch.uint8)  # noqa: E731
+    w13, w2 = rnd(E, 2 * inter, D // 2), rnd(E, D, inter // 2)
+    s13 = torch.randint(100, 128, (E, 2 * inter, D // 32), generator=gen, device="cuda", dtype=torch.uint8)
+    s2 = torch.randint(100, 128, (E, D, inter // 32), generator=gen, device="cuda", dtype=torch.uint8)
+    cfgs = [dict(fp4_moe.DECODE_TILE, **dict(zip(("BM", "BN", "U", "num_warps"), map(int, t.split(",")))))
+            for t in tiles.split(";")]
+    cases = []
+    for n in batches:
+        for routing, among in (("uniform", E), ("32 experts", 32)):
+            chosen = torch.randperm(E, generator=gen, device="cuda")[:among]
+            cases.append((n, routing, chosen[torch.rand(n, among, generator=gen, device="cuda").topk(k, -1).indices]))
+    if ids_file:
+        with open(ids_file) as f:
+            runs = [r for r in json.load(f)["decode"] if "ids" in r]
+        for r in runs:
+            for layer, ids in enumerate(r["ids"]):
+                cases.append((len(ids), f"slice B={r['batch']} ctx {r['context']} layer {layer}",
+                              torch.tensor(ids, device="cuda")))
+    names = [f"{c['BM']}, {c['BN']}, {c['U']}, {c['num_warps']}" for c in cfgs]
+    print("| routed FP4 experts rows | routing | most rows an expert | " + " | ".join(f"{n} ms" for n in names) + " |")
+    print("|---|---|---|" + "---|" * len(cfgs))
+    sums = [0.0] * len(cfgs)
+    for n, routing, ids in cases:
+        x = torch.randn(n, D, generator=gen, device="cuda").bfloat16()
+        w = torch.rand(n, k, generator=gen, device="cuda")
+        cells, base = [], None
+        for c, cfg in enumerate(cfgs):
+            fn = lambda: fp4_moe.routed_experts(x, w, ids, w13, s13, w2, s2, 10.0, cfg=cfg)  # noqa: E731
+            out = fn()[0].clone()
+            base = out if base is None else base
+            ms = [timed(graphed(fn), iters, "cuda") * 1e3 for _ in range(2)]
+            sums[c] += ms[1] if routing.startswith("slice") else 0.0
+            same = "" if torch.equal(out, base) else f" ({(out != base).float().mean():.2%} differ)"
+            cells.append(f"{ms[0]:.3f}, {ms[1]:.3f}{same}")
+        print(f"| {n} | {routing} | {int(torch.bincount(ids.flatten()).max())} | " + " | ".join(cells) + " |",
+              flush=True)
+    if ids_file:
+        print("| | the slice's layers, summed (second rounds) | | " + " | ".join(f"{t:.3f}" for t in sums) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,16,64")
@@ -328,6 +379,12 @@ def main() -> None:
     p.add_argument("--chain", action="store_true",
                    help="time a decode step's FP8 linears in a row at the largest of --batches by the K split's "
                         "programs, then stop")
+    p.add_argument("--decode-rows", action="store_true",
+                   help="time the routed experts' decode tiles (--tiles) at --batches rows, then stop")
+    p.add_argument("--tiles", default="16,128,4,4;32,128,4,4",
+                   help="with --decode-rows: BM,BN,U,warps tiles separated by ';', the first the baseline")
+    p.add_argument("--ids", default=None, help="with --decode-rows: bench_slice.py --json's file; its decode steps' "
+                                                "routing per layer is timed too")
     a = p.parse_args()
     device = "cpu" if a.tiny else "cuda"
     args = preset("micro" if a.tiny else "v41-slice")
@@ -342,6 +399,8 @@ def main() -> None:
         return chain(args, max(batches), a.iters, gen)
     if a.sweep:
         return sweep(args, batches, a.prefill, a.iters, gen)
+    if a.decode_rows:
+        return decode_rows(args, batches, a.iters, gen, a.ids, a.tiles)
     shapes = dense_shapes(args)
     if a.tiny:
         shapes = [(64, 64)]

@@ -337,7 +337,11 @@ def profile_run(engine: LLMEngine, batch: int, context: int, top: int, timed: in
 
 def experts(r: dict) -> str:
     """A decode run's routed experts a layer (bench_decode.py `routed_experts`) against the uniform expectation."""
-    return f"{r['experts_per_layer']:.1f} experts a layer, {r['experts_expected']:.1f} expected"
+    counts = r.get("rows_per_expert", [])
+    tiles = {bm: sum(-(-c // bm) for layer in counts for c in layer) / max(1, len(counts)) for bm in (16, 32)}
+    return (f"{r['experts_per_layer']:.1f} experts a layer, {r['experts_expected']:.1f} expected; FP4 tiles a layer "
+            f"at 16 rows {tiles[16]:.1f}, at 32 {tiles[32]:.1f}; most rows an expert "
+            f"{max((layer[0] for layer in counts if layer), default=0)}")
 
 
 def main() -> None:
@@ -356,7 +360,22 @@ def main() -> None:
                    help="how decode rows get their context: prefilled, clones (benchmarks/clone.py) or both "
                         "(comma separated)")
     p.add_argument("--json", default=None)
+    p.add_argument("--decode-tile", default=None, metavar="BM,BN,U,WARPS",
+                   help="the FP4 experts' decode tile (kernels/fp4_moe.py DECODE_TILE) for this run")
+    p.add_argument("--head-fp32", action="store_true",
+                   help="the head kernel reads the fp32 weight even where its values are bf16 (kernels/head.py "
+                        "USE_BF16_COPY off: the form before the bf16 copy, for a side-by-side run)")
     a = p.parse_args()
+    if a.head_fp32:
+        from kernels import head as head_kernel
+        head_kernel.USE_BF16_COPY = False
+    if a.decode_tile:
+        from kernels import fp4_moe
+        try:
+            tile = zip(("BM", "BN", "U", "num_warps"), map(int, a.decode_tile.split(",")), strict=True)
+            fp4_moe.DECODE_TILE.update(tile)
+        except ValueError:
+            p.error(f"--decode-tile takes four integers BM,BN,U,WARPS, not {a.decode_tile!r}")
     rows_modes = set(a.rows.split(","))
     if not rows_modes or rows_modes - {"prefilled", "clones"}:
         p.error(f"--rows takes prefilled, clones or both, not {a.rows!r}")

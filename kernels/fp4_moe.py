@@ -303,6 +303,11 @@ def applies(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype == torch.bfloat16
 
 
+# decode's tile: the best of 21 at 64 rows (H100): 4 warps, U = 4, K in slot order (benchmarks/bench_slice.py
+# --decode-tile sets it)
+DECODE_TILE = dict(BM=16, BN=128, U=4, KS=1, num_warps=4, num_stages=3)
+
+
 def config(pairs: int, experts: int) -> dict:
     """Tile sizes by the shape only: BM pairs a tile (16, tl.dot's least, while an expert gets a few rows on average:
     decode), BN weight rows a program, U scale groups of K (32 values each) an iteration; warps and pipeline stages.
@@ -315,8 +320,8 @@ def config(pairs: int, experts: int) -> dict:
     H100; prefill's tiles were slower with it (benchmarks/RESULTS.md). U = 2 at prefill since an iteration's codes are
     one load (`_code_groups`); at decode U = 4 took 52 registers and 1.2x longer on 8 warps (H200), but on 4 warps
     (one warpgroup, 128 weight rows) 0.96x U = 2's time on 8, and the slice's decode step 0.96x (H100)."""
-    if pairs <= 4 * experts:  # decode: the best of 21 at 64 rows (H100): 4 warps, U = 4, K in slot order
-        return dict(BM=16, BN=128, U=4, KS=1, num_warps=4, num_stages=3)
+    if pairs <= 4 * experts:  # decode
+        return dict(DECODE_TILE)
     if pairs < 128 * experts:  # fewer than 128 pairs an expert on average: the best of 11 at 2,048 rows
         return dict(BM=64, BN=128, U=2, num_warps=4, num_stages=3)
     return dict(BM=128, BN=64, U=2, num_warps=4, num_stages=3)  # the best of 11 at 8,192 rows

@@ -138,10 +138,15 @@ def test_the_routed_experts_probe_counts_each_layers_distinct_picks_on_the_same_
     clone.clone_prefilled(engine, source, [6, 7, 8])
     alike = routed_experts(engine)
     assert alike["experts_per_layer"] == k and abs(alike["experts_expected"] - E * (1 - (1 - k / E) ** 4)) < 1e-9
+    layers = len(engine.runner.model.weights.layers)
+    assert alike["rows_per_expert"] == [[4] * k] * layers  # each of the k experts gets all 4 rows
+    assert [len(ids) for ids in alike["ids"]] == [4] * layers and all(len(set(map(tuple, ids))) == 1
+                                                                     for ids in alike["ids"])
     for _ in range(3):
         engine.step()
     parted = routed_experts(engine)
     assert k < parted["experts_per_layer"] <= min(E, 4 * k)
+    assert all(sum(layer) == 4 * k and layer == sorted(layer, reverse=True) for layer in parted["rows_per_expert"])
     gate = engine.runner.model.weights.layers[0].ffn.gate
     assert not gate._forward_hooks and engine.runner.use_cuda_graphs is True
     engine.shutdown()

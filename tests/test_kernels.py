@@ -915,6 +915,72 @@ def test_head_kernel_matches_the_fp32_product_within_its_sum_error(M):
     torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), w), rtol=1e-6, atol=1e-6)
 
 
+@needs_interpreter
+def test_the_head_kernel_reads_a_bf16_valued_weight_from_its_bf16_copy_with_the_three_parts_bits(monkeypatch):
+    """kernels/head.py `bf16_copy`: a weight whose fp32 values are all bf16 values (the released head, stored bf16)
+    gets a bf16 copy, found once and kept until the weight changes in place; the kernel then makes one dot a block
+    from it: the bits of the three parts' form (USE_BF16_COPY off). A weight with one value off bf16 has none."""
+    from kernels import head as head_kernel
+
+    g = torch.Generator().manual_seed(3)
+    V, K = 150, 96
+    x = torch.randn(20, K, generator=g).bfloat16()
+    w = (torch.randn(V, K, generator=g) * 0.02).bfloat16().float()
+    cfg = dict(BV=64, BM=16, BK=64, num_warps=4)
+    got = head_kernel.head(x, w, cfg=cfg)
+    copy = head_kernel.bf16_copy(w)
+    assert copy is not None and copy.dtype == torch.bfloat16 and torch.equal(copy.float(), w)
+    assert head_kernel.bf16_copy(w) is copy  # kept, not made again
+    monkeypatch.setattr(head_kernel, "USE_BF16_COPY", False)
+    fresh = w.clone()  # no copy found for it: three parts
+    assert head_kernel.bf16_copy(fresh) is None
+    assert torch.equal(got, head_kernel.head(x, fresh, cfg=cfg))
+    monkeypatch.setattr(head_kernel, "USE_BF16_COPY", True)
+    w[3, 5] += 2 ** -20  # one value off bf16, in place: found again, none
+    assert head_kernel.bf16_copy(w) is None
+    wide = torch.zeros(70000, 256)  # compared in parts of 65,536 rows: the last part counts too
+    wide[-1, -1] = 1 + 2 ** -20
+    assert head_kernel.bf16_copy(wide) is None and head_kernel.bf16_copy(wide[:-1].clone()) is not None
+    torch.testing.assert_close(head_kernel.head(x, w, cfg=cfg), torch.nn.functional.linear(x.float(), w),
+                               rtol=1e-6, atol=1e-6)
+
+
+SM90_HEAD_ADDS = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import head
+parts = int(sys.argv[1])
+signature = dict(x_ptr="*bf16", w_ptr="*bf16" if parts == 1 else "*fp32", out_ptr="*fp32", M="i32", V="i32",
+                 K="i32", zero="fp32", BF16="constexpr", BV="constexpr", BM="constexpr", BK="constexpr",
+                 PARTS="constexpr")
+tiles = {k: v for k, v in head.config(64).items() if k in ("BV", "BM", "BK")}
+source = ASTSource(head._head_kernel, signature, constexprs=dict(BF16=True, PARTS=parts, **tiles),
+                   attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
+ttgir = triton.compile(source, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=4)).asm["ttgir"]
+print(ttgir.count("arith.addf"))
+"""
+
+
+@needs_interpreter
+@pytest.mark.parametrize("parts", [1, 3])
+def test_the_compiled_head_kernel_adds_each_blocks_sum_in_fp32(parts):
+    """kernels/head.py compiled for sm_90 off the GPU (Triton's compiler runs wherever its wheel does; in a child
+    process, without the interpreter): each K block's dots start from a fresh accumulator and their sum is added
+    to the running one by one fp32 add. Triton rewrites acc + dot(a, b, constant 0) into dot(a, b, acc), the
+    running sum in the tensor cores' truncating accumulation: the bf16 copy's one dot from `tl.zeros` came out so
+    (other bits than the three parts' on an H100), hence the kernel's `zero` argument."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", SM90_HEAD_ADDS, str(parts)], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert int(run.stdout.split()[-1]) == 1  # the block's sum into the running one (the split's r - mid: subf)
+
+
 def test_the_head_kernel_serves_wide_heads_outside_the_invariant_mode_only(monkeypatch):
     """kernels/head.py `applies`, and model/transformer.py's logits (through model/invariant.py `head`) taking it
     where it applies and F.linear's fp32 product elsewhere."""

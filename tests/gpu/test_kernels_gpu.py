@@ -599,6 +599,42 @@ def test_compiled_head_kernel_is_within_the_sum_error_of_the_fp32_product(M):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("M", [16, 64, 100])
+def test_compiled_head_kernel_from_the_bf16_copy_gives_the_three_parts_bits(M, monkeypatch):
+    """kernels/head.py compiled at the released width, a weight of bf16 values (the released head): one dot a
+    block from its bf16 copy gives the three parts' bits (mid's and lo's dots added exact zeros), eagerly and from
+    a CUDA graph's replays; during a capture with no copy found yet, none is made (no host sync) and the three
+    parts run."""
+    from kernels import head as head_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    V, K = 20007, 5120
+    x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(V, K, generator=g, device="cuda") * 0.02).bfloat16().float()
+    monkeypatch.setattr(head_kernel, "USE_BF16_COPY", False)
+    want = head_kernel.head(x, w)
+    monkeypatch.setattr(head_kernel, "USE_BF16_COPY", True)
+    fresh = w.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the warm-up (compilation) then a capture with no copy found for `fresh`
+        head_kernel.head(x, w.clone())
+        graph, out = torch.cuda.CUDAGraph(), None
+        with torch.cuda.graph(graph):
+            out = head_kernel.head(x, fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert getattr(fresh, "_head_bf16", None) is None and torch.equal(out, want)
+    got = head_kernel.head(x, w)
+    assert head_kernel.bf16_copy(w) is not None and torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = head_kernel.head(x, w)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
 def torch_index_scores(q, w, keys, visible):
     """model/attention.py's torch lines for the index scores (its kernels off)."""
     from model import attention
