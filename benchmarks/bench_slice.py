@@ -70,13 +70,21 @@ def decode_floor(weights, batch: int, context: int) -> dict:
     layer's E: 243.8 of 384 at 64 x 6); per row, in the caches' dtype: every layer's window ring (`window`),
     the index keys each index source scores (all entries of its kv source: `index_keys`), the compressed
     entries sparse attention reads (min(top-k, entries) a layer that has them: `entries`), its embedding and
-    Engram rows (`rows`). Each read once, nothing written: what the kernels move beyond it is above it."""
+    Engram rows (`rows`). Each read once, nothing written: what the kernels move beyond it is above it. A weight
+    counts at the bytes the released checkpoint stores it in, the values' information, where memory holds it wider:
+    the head and ratio-2 compressor bf16 (fp32 in memory), wo_a FP8 with a scale a 32x32 tile (bf16 in memory)."""
+    from model.released import BF16_IN_FILE, DENSE_AT_LOAD
+
     a = weights.args
     parts = dict(dense=0.0, head=0.0, routed=0.0)
     for name, t in [*weights.named_parameters(), *weights.named_buffers()]:
-        size = t.numel() * t.element_size()
+        size, module = t.numel() * t.element_size(), name.rpartition(".")[0]
         if name.startswith("embed.") or ".engram.embed." in name:
             continue
+        if t.dtype == torch.float32 and BF16_IN_FILE.fullmatch(module):
+            size = t.numel() * 2
+        elif DENSE_AT_LOAD.fullmatch(module) and t.dtype == torch.bfloat16:
+            size = t.numel() * (1 + 1 / 1024)
         parts["routed" if ".ffn.experts." in name else "head" if name.startswith("head.") else "dense"] += size
     E, k = a.n_routed_experts, a.n_activated_experts
     parts["routed"] *= 1 - (1 - k / E) ** batch
