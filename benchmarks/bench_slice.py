@@ -67,12 +67,15 @@ def decode_floor(weights, batch: int, context: int) -> dict:
     """The bytes a decode step of `batch` rows at `context` must read at least (issue #20 item 3), by part, in
     GB: every weight but the embedding and Engram tables and the routed experts (`dense`, `head`); the routed
     experts the step's batch x k picks touch, expected under uniform routing (E·(1 - (1 - k/E)^batch) of a
-    layer's E: 243.8 of 384 at 64 x 6); per row, in the caches' dtype: every layer's window ring (`window`),
-    the index keys each index source scores (all entries of its kv source: `index_keys`), the compressed
-    entries sparse attention reads (min(top-k, entries) a layer that has them: `entries`), its embedding and
-    Engram rows (`rows`). Each read once, nothing written: what the kernels move beyond it is above it. A weight
-    counts at the bytes the released checkpoint stores it in, the values' information, where memory holds it wider:
-    the head and ratio-2 compressor bf16 (fp32 in memory), wo_a FP8 with a scale a 32x32 tile (bf16 in memory)."""
+    layer's E: 243.8 of 384 at 64 x 6); per row: every layer's window ring (`window`), the index keys each index
+    source scores (all entries of its kv source: `index_keys`), the compressed entries sparse attention reads
+    (min(top-k, entries) a layer that has them: `entries`), its embedding and Engram rows (`rows`). Each read
+    once, nothing written: what the kernels move beyond it is above it. Everything counts at the bytes its values
+    need, where memory holds it wider: a weight as the released checkpoint stores it (the head and ratio-2
+    compressor bf16, fp32 in memory; wo_a FP8 with a scale a 32x32 tile, bf16 in memory), a cache entry in its
+    deployed format (spec §2.5: a window entry FP8 with a ue8m0 scale a 32, a compressed entry FP4 with an e4m3
+    scale a 16, an index key FP4 with a ue8m0 scale a 32: 528, 288 and 68 bytes; model/paged.py holds their bf16
+    values)."""
     from model.released import BF16_IN_FILE, DENSE_AT_LOAD
 
     a = weights.args
@@ -88,12 +91,12 @@ def decode_floor(weights, batch: int, context: int) -> dict:
         parts["routed" if ".ffn.experts." in name else "head" if name.startswith("head.") else "dense"] += size
     E, k = a.n_routed_experts, a.n_activated_experts
     parts["routed"] *= 1 - (1 - k / E) ** batch
-    elt = weights.embed.weight.element_size()  # the caches' dtype (model/paged.py allocate_caches)
+    elt = weights.embed.weight.element_size()  # the embedding's dtype
     ratio = a.compress_ratios
-    window = a.n_layers * a.window_size * a.head_dim * elt
-    index_keys = sum(context // ratio[a.kv_source_of(s)] * a.index_head_dim * elt
+    window = a.n_layers * a.window_size * a.head_dim * (1 + 1 / 32)
+    index_keys = sum(context // ratio[a.kv_source_of(s)] * a.index_head_dim * (1 / 2 + 1 / 32)
                      for s in range(a.n_layers) if a.is_index_source(s))
-    entries = sum(min(a.index_topk, context // r) * a.head_dim * elt for r in ratio if r)
+    entries = sum(min(a.index_topk, context // r) * a.head_dim * (1 / 2 + 1 / 16) for r in ratio if r)
     rows = a.dim * elt + sum(a.n_hash_cols * t.size(1) * t.element_size()  # each Engram layer's table (and scales)
                              for n, t in weights.named_parameters() if ".engram.embed." in n and t.dim() == 2)
     parts.update(window=batch * window, index_keys=batch * index_keys, entries=batch * entries, rows=batch * rows)
