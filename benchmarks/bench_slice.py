@@ -12,7 +12,10 @@ FP4 kernels run it, kernels/fp4_moe.py). With `--rows clones` the B rows are one
 and slot, copied), so 64 rows at 128k cost one prefill of 128k; graphs only, nothing skipped, and the profile
 too is over clones. `--rows prefilled,clones` runs both, side by side where the prefilled rows fit. Every
 decode run also counts the routed experts each layer's gate picked in one more (eager) step of its rows, beside
-the uniform-routing expectation the bytes floor takes (bench_decode.py `routed_experts`).
+the uniform-routing expectation the bytes floor takes, and the FP4 experts' tiles its rows an expert make
+(bench_decode.py `routed_experts`; `--json` keeps each layer's ids for bench_fp4.py --decode-rows --ids).
+`--decode-tile` and `--head-fp32` run the step with another FP4 decode tile or the head's fp32 form, for side by
+side runs.
 Prefill: bench_prefill.py's `prefill_run` (N prompts of L tokens to their first token), after one untimed run,
 against its FLOP floor (`prefill_floor`: the matrix FLOPs a token costs) at the bf16 GEMM rate measured in the
 same run (bench_prefill.py `matmul_tflops`; the kernels multiply FP8 and FP4 values decoded to bf16).
@@ -28,6 +31,7 @@ step against it. The prefill step's `--max-batched-tokens` must fit the model's 
 
 Usage: python benchmarks/bench_slice.py [--model v41-slice] [--batches 1,16] [--contexts 1024]
                                         [--prefill 1x4096] [--profile 64x4096] [--rows prefilled,clones] [--json OUT]
+                                        [--decode-tile BM,BN,U,WARPS] [--head-fp32]
 Prints a line per measurement and markdown rows for benchmarks/RESULTS.md.
 """
 from __future__ import annotations
