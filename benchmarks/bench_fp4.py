@@ -234,6 +234,20 @@ def gate_sweep(args, rows: int, iters: int, gen) -> None:
                   f"{2 * rows * E * D / s / 1e12:.1f} | {same} |", flush=True)
 
 
+def routed_among(n: int, among: int, E: int, k: int, gen) -> torch.Tensor:
+    """ids [n, k]: each row's k distinct experts drawn among the same `among` of E (all E: uniform routing)."""
+    chosen = torch.randperm(E, generator=gen, device="cuda")[:among]
+    return chosen[torch.rand(n, among, generator=gen, device="cuda").topk(k, dim=-1).indices]
+
+
+def tile_spec(text: str) -> dict:
+    """"BM,BN,U,WARPS" -> kernels/fp4_moe.py DECODE_TILE with those four set; ValueError unless four integers."""
+    from kernels import fp4_moe
+
+    return dict(fp4_moe.DECODE_TILE, **dict(zip(("BM", "BN", "U", "num_warps"), map(int, text.split(",")),
+                                                strict=True)))
+
+
 def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
     """Tile configurations of both kernels, each timed (CUDA graph at decode rows, eager at prefill)."""
     from kernels import fp4_moe, fp8_gemm
@@ -254,8 +268,7 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
         for routing, among in routings.items():
             if routing != "uniform" and n > max(batches):
                 continue
-            chosen = torch.randperm(E, generator=gen, device="cuda")[:among]
-            ids = chosen[torch.rand(n, among, generator=gen, device="cuda").topk(k, dim=-1).indices]
+            ids = routed_among(n, among, E, k, gen)
             floor = torch.unique(ids).numel() * 3 * D * inter * (0.5 + 1 / 32) / HBM
             for cfg in MOE_SWEEP["decode" if n * k <= 4 * E else "prefill"]:
                 fn = lambda: fp4_moe.routed_experts(x, w, ids, w13, s13, w2, s2, 10.0, cfg=cfg)
@@ -328,13 +341,11 @@ def decode_rows(args, batches: list[int], iters: int, gen, ids_file: str | None,
     w13, w2 = rnd(E, 2 * inter, D // 2), rnd(E, D, inter // 2)
     s13 = torch.randint(100, 128, (E, 2 * inter, D // 32), generator=gen, device="cuda", dtype=torch.uint8)
     s2 = torch.randint(100, 128, (E, D, inter // 32), generator=gen, device="cuda", dtype=torch.uint8)
-    cfgs = [dict(fp4_moe.DECODE_TILE, **dict(zip(("BM", "BN", "U", "num_warps"), map(int, t.split(",")))))
-            for t in tiles.split(";")]
+    cfgs = [tile_spec(t) for t in tiles.split(";")]
     cases = []
     for n in batches:
         for routing, among in (("uniform", E), ("32 experts", 32)):
-            chosen = torch.randperm(E, generator=gen, device="cuda")[:among]
-            cases.append((n, routing, chosen[torch.rand(n, among, generator=gen, device="cuda").topk(k, -1).indices]))
+            cases.append((n, routing, routed_among(n, among, E, k, gen)))
     if ids_file:
         with open(ids_file) as f:
             runs = [r for r in json.load(f)["decode"] if "ids" in r]

@@ -385,10 +385,10 @@ def main() -> None:
         from kernels import head as head_kernel
         head_kernel.USE_BF16_COPY = False
     if a.decode_tile:
+        from bench_fp4 import tile_spec
         from kernels import fp4_moe
         try:
-            tile = zip(("BM", "BN", "U", "num_warps"), map(int, a.decode_tile.split(",")), strict=True)
-            fp4_moe.DECODE_TILE.update(tile)
+            fp4_moe.DECODE_TILE.update(tile_spec(a.decode_tile))
         except ValueError:
             p.error(f"--decode-tile takes four integers BM,BN,U,WARPS, not {a.decode_tile!r}")
     rows_modes = set(a.rows.split(","))

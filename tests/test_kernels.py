@@ -931,6 +931,10 @@ def test_the_head_kernel_reads_a_bf16_valued_weight_from_its_bf16_copy_with_the_
     copy = head_kernel.bf16_copy(w)
     assert copy is not None and copy.dtype == torch.bfloat16 and torch.equal(copy.float(), w)
     assert head_kernel.bf16_copy(w) is copy  # kept, not made again
+    copy[0] = 0  # the kernel reads the copy, not the fp32 weight: vocab row 0's logits become 0
+    read = head_kernel.head(x, w, cfg=cfg)
+    assert bool((read[:, 0] == 0).all()) and torch.equal(read[:, 1:], got[:, 1:])
+    copy[0] = w[0].bfloat16()
     monkeypatch.setattr(head_kernel, "USE_BF16_COPY", False)
     fresh = w.clone()  # no copy found for it: three parts
     assert head_kernel.bf16_copy(fresh) is None
