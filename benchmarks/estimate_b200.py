@@ -2,13 +2,14 @@
 
 An estimate, not a measurement. Two parts:
 
-Memory per GPU, exact from the released config (spec §1.1) and storage: every parameter's stored bytes
-(model/released.py `_stored` on the meta device: FP8 dense with e8m0 tile scales, FP4 experts with e8m0
-scales, bf16 head and ratio-2 compressor, FP8 Engram tables), split as the engine's EP x DP splits them
-(model/parallel.py): the routed experts evenly across ranks, the Engram tables by rows, everything else
-replicated; plus the paged KV state of `--batch` sequences of `--context` positions a GPU
-(model/paged.py `bytes_per_block`, `bytes_per_slot`: the engine's own tensors) and the workspace the slice
-measured beyond its weights and KV (its peak less both, at the same batch and context).
+Memory per GPU, exact from the released config (spec §1.1) and storage: every parameter's bytes in memory once
+loaded (model/released.py `memory_plan` on the meta device: FP8 dense with e8m0 tile scales, FP4 experts with e8m0
+scales, FP8 Engram tables as stored; the head and ratio-2 compressor fp32 and wo_a bf16, wider than the files'
+bf16, bf16 and FP8), split as the engine's EP x DP splits them (model/parallel.py): the routed experts evenly
+across ranks, the Engram tables by rows, everything else replicated; plus the paged KV state of `--batch`
+sequences of `--context` positions a GPU (model/paged.py `bytes_per_block`, `bytes_per_slot`: the engine's own
+tensors) and the workspace the slice measured beyond its weights and KV (its peak less both, at the same batch
+and context; the head kernel's bf16 copy, kernels/head.py, is in it: the slice's head is the released one).
 
 Decode time per GPU, scaled from the slice's profile (`bench_slice.py --profile BxC --json`, an H200 or H100): each
 slice layer's device ms stands for the real layers of its role (spec §1.3: 1 window-only layer, 1 window-only
@@ -44,16 +45,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import replace
 
 import torch
 
-from model.checkpoint import parameter_specs
 from model.config import BLOCK_SIZE, cdiv, preset
 from model.paged import bytes_per_block, bytes_per_slot
-from model.released import EXPERT_LINEAR, Storage, _stored
+from model.released import Storage, memory_plan
 
 GB = 1e9
 # the slice's layer (model/config.py _v41_slice) that stands for each real layer of the released config
@@ -73,25 +72,6 @@ def released_args(context: int):
                    engram_layer_ids=(1, 14), engram_num_embeddings=(384006168, 384016682),
                    engram_vocab_size=16000000,
                    max_seq_len=max(a.max_seq_len, context)).check()
-
-
-def stored_bytes(a) -> dict[str, float]:
-    """Stored bytes of the released checkpoint by how EP x DP places them: experts, Engram, replicated."""
-    out = {"routed experts": 0, "Engram tables": 0, "replicated (attention, shared expert, HC, embed, head)": 0}
-    seen = {}  # a parameter's storage follows its name with the indices masked: quantise each kind once (46k experts)
-    for name, shape, dtype in parameter_specs(a):
-        key = (re.sub(r"\.\d+\.", ".#.", name), shape, dtype)
-        if key not in seen:
-            seen[key] = sum(t.numel() * t.element_size()
-                            for t in _stored(name, torch.empty(shape, dtype=dtype, device="meta"), Storage()).values())
-        n = seen[key]
-        if EXPERT_LINEAR.fullmatch(name.rpartition(".")[0]):
-            out["routed experts"] += n
-        elif ".engram.embed." in name:
-            out["Engram tables"] += n
-        else:
-            out["replicated (attention, shared expert, HC, embed, head)"] += n
-    return out
 
 
 def hit(experts: int, picks: int) -> float:
@@ -139,10 +119,11 @@ def main() -> None:
     E, k, G = full.n_routed_experts, full.n_activated_experts, a.gpus
 
     # ---- memory per GPU -------------------------------------------------------------------------------
-    stored = stored_bytes(full)
-    per_gpu = {"routed experts": stored["routed experts"] / G, "Engram tables": stored["Engram tables"] / G,
-               "replicated (attention, shared expert, HC, embed, head)":
-                   stored["replicated (attention, shared expert, HC, embed, head)"]}
+    loaded = memory_plan(full, Storage(), G)
+    whole = {"routed experts": loaded["routed experts"], "Engram tables": loaded["Engram tables"],
+             "replicated (attention, shared expert, HC, embed, head)": loaded["replicated"]}
+    per_gpu = {"routed experts": whole["routed experts"] / G, "Engram tables": whole["Engram tables"] / G,
+               "replicated (attention, shared expert, HC, embed, head)": loaded["replicated"]}
     kv = a.batch * (cdiv(a.context, BLOCK_SIZE) * bytes_per_block(full) + bytes_per_slot(full))
     per_gpu[f"KV blocks and state slots ({a.batch} x {a.context:,} positions)"] = kv
     slice_kv = a.batch * (cdiv(a.context, BLOCK_SIZE) * bytes_per_block(slice_args) + bytes_per_slot(slice_args))
@@ -155,8 +136,7 @@ def main() -> None:
     print("| part | GB per GPU | whole model GB |")
     print("|---|---|---|")
     for name, v in per_gpu.items():
-        whole = stored.get(name, v * G)
-        print(f"| {name} | {v / GB:.1f} | {whole / GB:.1f} |")
+        print(f"| {name} | {v / GB:.1f} | {whole.get(name, v * G) / GB:.1f} |")
     print(f"| total | {total / GB:.1f} (of {a.b200_gb:.0f}) | |\n")
 
     # ---- decode step per GPU --------------------------------------------------------------------------

@@ -15,7 +15,9 @@ Between its projections and its top-k, and the index list after it: where a deco
   -> 0.9 ms at the slice's 8,192 x 4,096 x 64 heads on an H200; the same products, another MMA order, so
   other bits in ~0.002% of the scores). Under 16 queries a row (decode), a
   program takes one query and puts its heads, 16 at a time, on the rows of the same dot, then adds them in
-  head order: the same bits (tests/gpu), without the 15 empty query rows of a decode step's block.
+  head order: the same bits (tests/gpu), without the 15 empty query rows of a decode step's block; from
+  ROW_BLOCKS_FROM entries a row a program takes four blocks of entries in a loop, the next block's keys loading
+  while one is scored (`row_config`: 2.0-2.1 -> 2.5-2.6 TB/s of keys at the slice's 64 x 32k, the same bits).
   Given the block tables, both forms read the kv source's keys where they lie in its paged pool (as sparse
   attention reads its entries), not a streamed copy of them, and only a query's visible entries (j < V(p)).
 - `topk_entries`: model/attention.py's `topk_entries` under the "lower-index" tie rule, a program per query:
@@ -41,6 +43,9 @@ except ImportError:
     triton = None
 
 BLOCK_S, BLOCK_E = 16, 64
+# decode's row kernel: BE entries a block, NB blocks a program from ROW_BLOCKS_FROM entries (`row_config`)
+ROW_TILE = dict(BE=BLOCK_E, NB=4, num_warps=2, num_stages=2)
+ROW_BLOCKS_FROM = 4096
 CHUNK_ROWS = 4096  # from this many queries a row, a prefill chunk's form (`scores_config`; kernels/hc.py's bound)
 
 if triton is not None:
@@ -109,27 +114,31 @@ if triton is not None:
         return acc + r8 + r9 + r10 + r11 + r12 + r13 + r14 + r15
 
     @triton.jit
-    def _index_scores_row_kernel(q_ptr, w_ptr, k_ptr, tables_ptr, vis_ptr, out_ptr, S, E, H,
-                                 sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, st_b, so_b, so_s,
-                                 D: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr, PER_BLOCK: tl.constexpr):
+    def _index_scores_row_kernel(q_ptr, w_ptr, k_ptr, tables_ptr, vis_ptr, out_ptr, S, E,
+                                 sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_e, st_b, so_b, so_s, H: tl.constexpr,
+                                 D: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr, NB: tl.constexpr,
+                                 PER_BLOCK: tl.constexpr):
         tl.static_assert(BH == 16, "_add_rows_in_order takes 16 heads at a time")
-        # one query against a block of entries, its heads BH at a time on the rows of the same [BH, D] x [D, BE]
-        # dot as _index_scores_kernel's (an MMA row's sums are its own), each head then added in head order
+        # one query against NB blocks of BE entries, a block's keys loaded while the one before is scored (the
+        # launch's pipeline stages); its heads BH at a time on the rows of the same [BH, D] x [D, BE] dot as
+        # _index_scores_kernel's (an MMA row's sums are its own), each head then added in head order
         b, s = tl.program_id(2).to(tl.int64), tl.program_id(0).to(tl.int64)
-        e = tl.program_id(1) * BE + tl.arange(0, BE)
         d, hb = tl.arange(0, D), tl.arange(0, BH)
         visible = tl.load(vis_ptr + b * S + s)
-        keys = _keys(k_ptr, tables_ptr, b, e, tl.minimum(visible, E), sk_b, sk_e, st_b, D, PER_BLOCK)
-        acc = tl.zeros((BE,), dtype=tl.float32)
-        for h0 in range(0, H, BH):
-            h = h0 + hb
-            q = tl.load(q_ptr + b * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :], mask=(h < H)[:, None], other=0.0)
-            dot = tl.dot(q.to(tl.float32), keys.to(tl.float32), input_precision="tf32").to(tl.bfloat16).to(tl.float32)
-            w = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=h < H, other=0.0).to(tl.float32)
-            term = (tl.maximum(dot, 0.0) * w[:, None]).to(tl.bfloat16).to(tl.float32)  # [BH, BE]
-            acc = _add_rows_in_order(acc, term, BE)
-        score = tl.where(e < visible, acc, -float("inf")).to(tl.bfloat16)
-        tl.store(out_ptr + b * so_b + s * so_s + e, score, mask=e < E)
+        for i in range(NB):
+            e = (tl.program_id(1) * NB + i) * BE + tl.arange(0, BE)
+            keys = _keys(k_ptr, tables_ptr, b, e, tl.minimum(visible, E), sk_b, sk_e, st_b, D, PER_BLOCK)
+            acc = tl.zeros((BE,), dtype=tl.float32)
+            for h0 in tl.static_range(0, H, BH):
+                h = h0 + hb
+                q = tl.load(q_ptr + b * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :], mask=(h < H)[:, None],
+                            other=0.0)
+                dot = tl.dot(q.to(tl.float32), keys.to(tl.float32), input_precision="tf32")
+                w = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=h < H, other=0.0).to(tl.float32)
+                term = (tl.maximum(dot.to(tl.bfloat16).to(tl.float32), 0.0) * w[:, None]).to(tl.bfloat16)
+                acc = _add_rows_in_order(acc, term.to(tl.float32), BE)  # [BH, BE] in head order
+            score = tl.where(e < visible, acc, -float("inf")).to(tl.bfloat16)
+            tl.store(out_ptr + b * so_b + s * so_s + e, score, mask=e < E)
 
     @triton.jit
     def _attention_list_kernel(window_ptr, topk_ptr, end_ptr, out_ptr, S, W, K, offset, ratio, max_compressed,
@@ -328,6 +337,15 @@ def scores_config(S: int, device: torch.device, batch_invariant: bool = False) -
     return dict(BS=BLOCK_S, BE=BLOCK_E, BF16=False)
 
 
+def row_config(E: int) -> dict:
+    """How `_index_scores_row_kernel` (decode: fewer than BLOCK_S queries a row) is laid out for E entries a row: a
+    program scores NB blocks of BE entries in a loop whose next block's keys load while one is scored (ROW_TILE: 4
+    blocks of 64, 2 warps, 2 stages), or one block below ROW_BLOCKS_FROM entries, where a row's programs are few
+    already (tiny-68m). Each entry's arithmetic is the same in every layout: the same bits. At 64 rows, 32 heads of
+    128 on an H100, 2.0-2.1 TB/s of keys for one block a program, 2.5-2.6 for 4 or 8 (benchmarks/RESULTS.md)."""
+    return dict(ROW_TILE, NB=ROW_TILE["NB"] if E >= ROW_BLOCKS_FROM else 1)
+
+
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
                  batch_invariant: bool = False, cfg: dict | None = None, block_tables: torch.Tensor | None = None,
                  n_entries: int = 0) -> torch.Tensor:
@@ -335,7 +353,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
     last one), visible int [B,S] -> scores bf16 [B,S,E] (model/attention.py `index_scores`). With block_tables
     [B, nb], keys is a kv source's paged pool [blocks, per_block, D], read in place: entry j of row b at
     (block_tables[b, j // per_block], j % per_block), E = n_entries (no copy of the keys, model/paged.py `stream`).
-    Only entries below a query's V(p) are read. `cfg` overrides `scores_config` (benchmarks, tests)."""
+    Only entries below a query's V(p) are read. `cfg` overrides the form's layout, `scores_config`'s or at decode
+    `row_config`'s (benchmarks, tests)."""
     B, S, H, D = q.shape
     E = keys.size(1) if block_tables is None else n_entries
     out = torch.empty(B, S, E, dtype=q.dtype, device=q.device)
@@ -348,11 +367,12 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
         tables, per_block = (keys, 0) if block_tables is None else (block_tables.contiguous(), keys.size(1))
         strides = (q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), keys.stride(0), keys.stride(1),
                    tables.stride(0), out.stride(0), out.stride(1))
-        if S < BLOCK_S:  # decode: a program per query, its heads on the dot's rows (the same scores, 16x less work;
-            # 2 warps, 2 stages: the best of 36 tiles at 64 x 32k, 10% before the default, the same bits: RESULTS)
-            _index_scores_row_kernel[(S, triton.cdiv(E, BLOCK_E), B)](q, w, keys, tables, vis, out, S, E, H, *strides,
-                                                                      D=D, BH=BLOCK_S, BE=BLOCK_E, PER_BLOCK=per_block,
-                                                                      num_warps=2, num_stages=2)
+        if S < BLOCK_S:  # decode: a program per query, its heads on the dot's rows (the same scores, 16x less work)
+            rc = dict(cfg or row_config(E))
+            BE, NB = rc.pop("BE"), rc.pop("NB")
+            _index_scores_row_kernel[(S, triton.cdiv(E, BE * NB), B)](q, w, keys, tables, vis, out, S, E, *strides,
+                                                                      H=H, D=D, BH=BLOCK_S, BE=BE, NB=NB,
+                                                                      PER_BLOCK=per_block, **rc)
         else:
             cfg = dict(cfg or scores_config(S, q.device, batch_invariant))
             BS, BE = cfg.pop("BS"), cfg.pop("BE")

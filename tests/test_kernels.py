@@ -567,6 +567,38 @@ def test_index_scores_kernel_reads_paged_keys_in_place():
 
 
 @needs_interpreter
+def test_index_scores_decode_rows_give_the_same_bits_in_every_layout():
+    """Decode's row kernel scores NB blocks of BE entries a program (kernels/indexer.py `row_config`): 1, 2 and 3
+    blocks of 16 a program over paged keys (programs ending past E and inside a row's visible entries, two head
+    blocks) give the bits of one block a program and of the torch path over values whose products are exact."""
+    from kernels.indexer import index_scores as kernel_scores
+    from model import attention
+
+    g = torch.Generator().manual_seed(2)
+    B, H, D, E, per_block, n_blocks = 2, 32, 16, 70, 16, 12
+    pool = torch.randint(-1, 2, (n_blocks, per_block, D), generator=g).bfloat16()
+    tables = torch.randperm(n_blocks, generator=g)[:2 * 5].view(B, 5)
+    q = torch.randint(-1, 2, (B, 1, H, D), generator=g).bfloat16()
+    w = (2 ** torch.randint(0, 2, (B, 1, H), generator=g)).bfloat16()
+    visible = torch.tensor([[E], [37]])
+    want = attention.index_scores(q, w, attention.stream(pool, tables, E), visible)
+    for NB in (1, 2, 3):
+        got = kernel_scores(q, w, pool, visible, block_tables=tables, n_entries=E,
+                            cfg=dict(BE=16, NB=NB, num_warps=2, num_stages=2))
+        assert torch.equal(got, want), NB
+
+
+def test_index_scores_decode_rows_take_blocks_a_program_only_from_many_entries():
+    """`row_config`: ROW_TILE's blocks a program from ROW_BLOCKS_FROM entries a row, one below (tiny-68m's rows)."""
+    from kernels import indexer as indexer_kernel
+
+    n = indexer_kernel.ROW_BLOCKS_FROM
+    assert indexer_kernel.row_config(n)["NB"] == indexer_kernel.ROW_TILE["NB"] > 1
+    assert indexer_kernel.row_config(n - 1)["NB"] == 1
+    assert indexer_kernel.row_config(n - 1)["BE"] == indexer_kernel.ROW_TILE["BE"]
+
+
+@needs_interpreter
 @pytest.mark.parametrize("name", ["tiny-68m", "micro"])
 def test_engram_hash_kernel_gives_the_torch_ids(name):
     """kernels/engram.py's hashes against model/engram.py's torch path: the same int64 ids, for chunks with

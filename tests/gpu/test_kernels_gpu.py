@@ -685,6 +685,31 @@ def test_indexer_kernels_compiled_match_the_torch_paths():
         assert torch.equal(kernel_list(window, topk, end, W + S, 2, K, full), want)
 
 
+def test_index_scores_decode_rows_in_blocks_a_program_give_the_bits_of_one_block_and_of_a_chunk():
+    """At the slice's index heads (32 of 128) and a 32k row's ratio-2 entries, read in place from a shuffled paged
+    pool: decode's row kernel in row_config's layout (several entry blocks a program, pipelined) gives the bits of
+    one block a program and of the 16-query blocks' kernel on the same query."""
+    from kernels import indexer
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, S, H, D, E, per_block = 3, 17, 32, 128, 16448, 64
+    n_blocks = B * -(-E // per_block)
+    pool = torch.randn(n_blocks + 5, per_block, D, generator=g, device="cuda").bfloat16()
+    tables = torch.randperm(n_blocks + 5, generator=g, device="cuda")[:n_blocks].view(B, -1)
+    q = torch.randn(B, S, H, D, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(B, S, H, generator=g, device="cuda") * 0.1).bfloat16()
+    visible = torch.tensor([E, 9000, 4097], device="cuda")[:, None].expand(B, S).contiguous()
+    assert indexer.row_config(E)["NB"] > 1
+    chunk = indexer.index_scores(q, w, pool, visible, block_tables=tables, n_entries=E)  # 17 queries: blocks
+    one = dict(indexer.row_config(E), NB=1)
+    for s in (0, S - 1):
+        at = dict(block_tables=tables, n_entries=E)
+        got = indexer.index_scores(q[:, s:s + 1], w[:, s:s + 1], pool, visible[:, s:s + 1], **at)
+        assert torch.equal(got, indexer.index_scores(q[:, s:s + 1], w[:, s:s + 1], pool, visible[:, s:s + 1],
+                                                     cfg=one, **at)), s
+        assert torch.equal(got, chunk[:, s:s + 1]), s
+
+
 def test_index_scores_prefill_chunk_form_matches_the_torch_path_and_the_invariant_mode_keeps_its_form():
     """From CHUNK_ROWS queries (a prefill chunk, the slice's 64 heads of 128) the scores come from the bf16-dot
     form: within a bf16 ulp of the torch lines, with the same -inf mask. In the batch-invariant mode the same
