@@ -122,8 +122,7 @@ def main() -> None:
     loaded = memory_plan(full, Storage(), G)
     whole = {"routed experts": loaded["routed experts"], "Engram tables": loaded["Engram tables"],
              "replicated (attention, shared expert, HC, embed, head)": loaded["replicated"]}
-    per_gpu = {"routed experts": whole["routed experts"] / G, "Engram tables": whole["Engram tables"] / G,
-               "replicated (attention, shared expert, HC, embed, head)": loaded["replicated"]}
+    per_gpu = {name: v / G if name in ("routed experts", "Engram tables") else v for name, v in whole.items()}
     kv = a.batch * (cdiv(a.context, BLOCK_SIZE) * bytes_per_block(full) + bytes_per_slot(full))
     per_gpu[f"KV blocks and state slots ({a.batch} x {a.context:,} positions)"] = kv
     slice_kv = a.batch * (cdiv(a.context, BLOCK_SIZE) * bytes_per_block(slice_args) + bytes_per_slot(slice_args))

@@ -112,6 +112,7 @@ def test_the_b200_estimate_scales_the_experts_by_what_the_profiled_step_read(tmp
     import json
 
     import estimate_b200
+    from model.released import Storage, memory_plan
 
     layers = [dict(layer=i, ratio=r, engram_ms=0.0, attention_ms=0.3, rest_ms=1.0, total_ms=1.3)
               for i, r in enumerate((0, 0, 2, 2, 1, 1, 1))]
@@ -126,6 +127,11 @@ def test_the_b200_estimate_scales_the_experts_by_what_the_profiled_step_read(tmp
         monkeypatch.setattr(sys, "argv", ["estimate_b200.py", str(path), "--context", "4096"])
         estimate_b200.main()
         runs[name] = capsys.readouterr().out
+    # memory: the weights as they lie once loaded (the head fp32, wo_a bf16: model/released.py memory_plan), 12.5 GB
+    # replicated a GPU, not the 9.8 the files store
+    replicated = float(re.search(r"\| replicated \([^)]*\) \| ([\d.]+) \|", runs["counted"]).group(1))
+    assert replicated == round(memory_plan(estimate_b200.released_args(4096), Storage(), 4)["replicated"] / 1e9, 1)
+    assert replicated > 12
     assert "against 242.9 of 384 in the profiled slice step (the uniform expectation" in runs["uniform"]
     assert "against 29.0 of 384 in the profiled slice step (counted; 3.250x)" in runs["counted"]
     step = lambda text: float(re.search(r"\*\*([\d.]+) ms\*\*", text).group(1))
