@@ -5,7 +5,8 @@ ptxas in its wheel run wherever the wheel does.
 Two steps:
 1. `--record FILE`, on a CUDA machine: tiny-68m's engine serves a mix of prompts (chunked prefill, decode at
    several batch sizes under CUDA graphs, greedy and sampled rows), then again in the batch-invariant mode; with
-   `--slice` the v41-slice too (one long prompt in chunks of 8,192 and 2,048 tokens, then 16 rows decoding). Every
+   `--slice` the v41-slice too (a chunk of 8,192 tokens of one long prompt, then its last 2,048 with 15 short
+   prompts: the FP4 experts' two prefill tiers and the index scores' chunk form; then 16 rows decoding). Every
    kernel Triton compiles on the way is kept as it was compiled: its function, signature, constexprs,
    specialisation attributes and launch options (num_warps, num_stages...), in FILE (JSON).
 2. `FILE [--targets 80,90,100]`, anywhere (no GPU needed): each recorded kernel compiled for each target (sm_80
@@ -193,7 +194,7 @@ def workload(model: str, slice_model: bool, batch_invariant: bool = False, devic
     rng = random.Random(0)
     if slice_model:
         llm = LLM(model, device=device, max_num_batched_tokens=8192, max_num_seqs=16, max_model_len=16384)
-        lengths = [10240] + [300] * 15  # chunks of 8,192 and 2,048 (the FP4 experts' prefill tiers), then decode
+        lengths = [10240] + [300] * 15  # steps of 8,192 and 6,548 tokens (kernels/fp4_moe.py config), then decode
     else:
         llm = LLM(model, device=device, max_num_batched_tokens=2048, batch_invariant=batch_invariant)
         lengths = [rng.randint(8, 900) for _ in range(prompts)]
