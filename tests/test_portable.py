@@ -41,6 +41,42 @@ json.dump({"hardware": "NVIDIA H100 80GB HBM3", "triton": triton.__version__, "k
 """
 
 
+# the sampler's launch as the engine makes it at 64 rows of the released vocab (kernels/sampling.py: its tile is by
+# the shape alone), through its JITFunction, under a driver that can bind and compile but has nothing to launch on
+LAUNCHED = """
+import json, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+sys.path.insert(0, "benchmarks")
+import portable
+from kernels import sampling
+
+
+class NoGPU:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+driver.set_active(NoGPU())
+seen = []
+portable.recording(seen)
+rows = torch.zeros(64, dtype=torch.int64)
+try:
+    sampling._sample_triton(torch.zeros(64, 129280), torch.ones(64), rows, rows)
+except AttributeError as e:  # compiled, then the launch: NoGPU has no launcher
+    assert "launcher" in str(e), e
+json.dump({"hardware": "none", "triton": triton.__version__, "kernels": seen}, open(sys.argv[1], "w"))
+"""
+
+
 def child(*args: str, script: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
@@ -121,3 +157,20 @@ def test_the_recording_workload_runs_the_engine(monkeypatch):
 
     portable.workload("tiny-68m", False, device="cpu", prompts=3)
     portable.workload("tiny-68m", False, batch_invariant=True, device="cpu", prompts=2)
+
+
+def test_the_recorder_sees_a_kernel_launched_through_its_jit_function(tmp_path):
+    """`--record`'s hook on the path a launch takes (JITFunction binds the arguments and compiles through
+    triton.compiler.compile), not only a direct compile: the sampler's launch at 64 rows is recorded with its tile
+    and 16 warps, and builds for sm_80, sm_90 and sm_100."""
+    pytest.importorskip("triton")
+    path = tmp_path / "launched.json"
+    made = child(str(path), script=LAUNCHED)
+    assert made.returncode == 0, made.stderr[-2000:]
+    (kernel,) = json.loads(path.read_text())["kernels"]
+    assert kernel["fn"] == "kernels.sampling:_sample_kernel" and kernel["options"]["num_warps"] == 16
+    assert kernel["signature"]["logits_ptr"] == "*fp32" and kernel["signature"]["seeds_ptr"] == "*i64"
+    run = child(str(path), "--targets", "80,90,100")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "_sample_kernel (BLOCK=1024, SKIP=True; 16 warps)" in run.stdout
+    assert all(f"sm_{c}: 1 of 1 kernels build" in run.stdout for c in (80, 90, 100))
