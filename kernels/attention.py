@@ -22,6 +22,8 @@ keeps the torch path.
 """
 import torch
 
+from model import invariant
+
 try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch path is the only path.
     import triton
     import triton.language as tl
@@ -35,6 +37,11 @@ BLOCK_K = 64  # indices per online-softmax block (model/attention.py SPARSE_ATTN
 # registers beside the [64, 512] fp32 accumulator and the kernel spills (520 bytes a thread compiled for sm_90,
 # against 144 with q rotated before: RESULTS.md); there the RoPE kernel rotates q first, the same bits
 MAX_ROPE_AT_LOAD_WIDTH = 256
+# A decode step's queries at wide heads (the slice's 512), outside the batch-invariant mode (whose decode rows
+# must have its chunks' bits): 32 heads a program on 8 warps, twice the programs of one block of all heads, each
+# gathering its query's rows again (from L2): 0.079 -> 0.055 ms at 64 rows (bench_attention.py --sweep, H100), 67 ->
+# 60 us a launch in the slice's step. Other bits than a chunk's in a few values (another MMA shape). None: a chunk's.
+DECODE_WIDE = dict(BLOCK_H=32, num_warps=8, num_stages=2, PREFETCH=False)
 
 
 if triton is not None:
@@ -133,12 +140,14 @@ def rope_at_load(head_dim: int) -> bool:
     return head_dim <= MAX_ROPE_AT_LOAD_WIDTH
 
 
-def config(H: int, D: int) -> dict:
-    """Heads a program (BLOCK_H), warps and pipeline stages, by the heads and the head width only, never
-    the batch (a row's bits do not depend on what it is batched with). Blocks of fewer heads (16, 32) change a
-    few values (another MMA shape sums the dot in another order; within the torch path's tolerance): the one
-    chosen keeps one block of all heads, and the bits of the earlier 4-warp form (tests/gpu). Chosen by
-    benchmarks/bench_attention.py --sweep on an H200 (RESULTS.md)."""
+def config(H: int, D: int, decode: bool = False) -> dict:
+    """Heads a program (BLOCK_H), warps and pipeline stages, by the heads, the head width and `decode` (one query
+    a row, outside the batch-invariant mode), never the batch (a row's bits do not depend on what it is batched
+    with). Blocks of fewer heads (16, 32) change a few values (another MMA shape sums the dot in another order;
+    within the torch path's tolerance): a chunk keeps one block of all heads, and the bits of the earlier 4-warp
+    form (tests/gpu). Chosen by benchmarks/bench_attention.py --sweep (RESULTS.md)."""
+    if D >= 256 and decode and DECODE_WIDE is not None:
+        return dict(DECODE_WIDE)
     if D >= 256:  # the slice (64 x 512): 0.116 -> 0.065 ms decode (64 rows), 6.39 -> 2.81 ms prefill (8,192 queries)
         return dict(BLOCK_H=64, num_warps=8, num_stages=2, PREFETCH=False)
     return dict(BLOCK_H=max(16, min(64, triton.next_power_of_2(H))), num_warps=4, num_stages=3, PREFETCH=True)
@@ -164,7 +173,7 @@ def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.T
     ring_args = (delta(ring), slots, W, ring.stride(0), ring.stride(1)) if ring is not None else (0, slots, 0, 0, 0)
     pool_args = ((delta(pool), tables, tables.stride(0), pool.size(1), pool.stride(0), pool.stride(1))
                  if pool is not None else (0, tables, 0, 1, 0, 0))
-    cfg = dict(config(H, D), **(cfg or {}))
+    cfg = dict(config(H, D, decode=S == 1 and not invariant.enabled()), **(cfg or {}))
     f = torch.view_as_real(freqs).reshape(B * S, -1).contiguous() if freqs is not None else None  # (cos, sin)
     if B * S:
         grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))

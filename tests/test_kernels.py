@@ -333,6 +333,30 @@ def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
 
 
 @needs_interpreter
+def test_sparse_attention_takes_decode_tiles_at_wide_heads_only_outside_the_batch_invariant_mode(monkeypatch):
+    """kernels/attention.py `config`: a decode step's queries (one a row) at wide heads take DECODE_WIDE's tiles,
+    a chunk's and the batch-invariant mode's (whose decode rows must keep a chunk's bits) one block of all heads;
+    narrow heads (tiny-68m's 128) the same tiles in every case. And the launch asks for the decode tiles exactly
+    when a row has one query and the mode is off."""
+    from kernels import attention
+    from model import invariant
+
+    assert attention.config(64, 512, decode=True) == attention.DECODE_WIDE
+    assert attention.config(64, 512)["BLOCK_H"] == 64
+    assert attention.config(16, 128, decode=True) == attention.config(16, 128)
+    asked = []
+    real = attention.config
+    monkeypatch.setattr(attention, "config", lambda H, D, decode=False: asked.append(decode) or real(H, D, decode))
+    g = torch.Generator().manual_seed(0)
+    for S, mode in ((1, False), (3, False), (1, True)):
+        q, kv = torch.randn(2, S, 2, 16, generator=g).bfloat16(), torch.randn(2, 9, 16, generator=g).bfloat16()
+        idx = torch.randint(-1, 9, (2, S, 9), generator=g)
+        with invariant.mode(mode):
+            attention.sparse_attn(q, kv, torch.zeros(2), idx, 0.25)
+    assert asked == [True, False, False]
+
+
+@needs_interpreter
 @pytest.mark.parametrize("S", [1, 7])
 def test_paged_sparse_attention_rotates_q_as_it_loads_it_as_the_rope_kernel_does(S):
     """With `freqs` the kernel takes q without its RoPE and rotates its last R dims as it loads them: the same

@@ -159,12 +159,14 @@ def test_compiled_hc_handoff_norm_matches_the_norm_kernel(n, d, cfg):
 
 @pytest.mark.parametrize("S", [1, 33])
 def test_compiled_sparse_attention_config_keeps_the_one_block_bits(S):
-    """At the slice's widths (64 heads of 512, 640 indices), compiled: the configuration `config` picks
-    (benchmarks/bench_attention.py --sweep) gives the bits of one block of all heads on 4 warps, the kernel's
-    earlier form; blocks of 16 or 32 heads move a few values within the torch path's tolerance (another
+    """At the slice's widths (64 heads of 512, 640 indices), compiled: the configuration `config` picks for a
+    chunk, and for a decode step in the batch-invariant mode (benchmarks/bench_attention.py --sweep), gives the
+    bits of one block of all heads on 4 warps, the kernel's earlier form; blocks of 16 or 32 heads, among them a
+    decode step's outside the mode (DECODE_WIDE), move a few values within the torch path's tolerance (another
     MMA shape accumulates the 512-wide dot in another order)."""
     import model.attention as attention
-    from kernels.attention import config, sparse_attn
+    from kernels.attention import DECODE_WIDE, config, sparse_attn
+    from model import invariant
 
     B, H, D, N, L = 3, 64, 512, 1000, 640
     g = torch.Generator(device="cuda").manual_seed(S)
@@ -174,7 +176,14 @@ def test_compiled_sparse_attention_config_keeps_the_one_block_bits(S):
     idx = torch.randint(-1, N, (B, S, L), device="cuda", generator=g)
     one_block = sparse_attn(q, kv, sink, idx, D ** -0.5, dict(BLOCK_H=64, num_warps=4, num_stages=3))
     assert config(H, D)["BLOCK_H"] == 64
-    assert torch.equal(sparse_attn(q, kv, sink, idx, D ** -0.5), one_block)
+    with invariant.mode():
+        assert torch.equal(sparse_attn(q, kv, sink, idx, D ** -0.5), one_block)
+    if S > 1:
+        assert torch.equal(sparse_attn(q, kv, sink, idx, D ** -0.5), one_block)
+    else:  # a decode step outside the mode: its own tiles
+        assert config(H, D, decode=True) == DECODE_WIDE
+        decode = sparse_attn(q, kv, sink, idx, D ** -0.5, DECODE_WIDE)
+        assert torch.equal(sparse_attn(q, kv, sink, idx, D ** -0.5), decode)
     attention.USE_KERNELS = False
     try:
         want = attention.sparse_attn(q, kv, sink, idx, D ** -0.5)
