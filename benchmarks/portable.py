@@ -5,8 +5,9 @@ ptxas in its wheel run wherever the wheel does.
 Two steps:
 1. `--record FILE`, on a CUDA machine: tiny-68m's engine serves a mix of prompts (chunked prefill, decode at
    several batch sizes under CUDA graphs, greedy and sampled rows), then again in the batch-invariant mode; with
-   `--slice` the v41-slice too (a chunk of 8,192 tokens of one long prompt, then its last 2,048 with 15 short
-   prompts: the FP4 experts' two prefill tiers and the index scores' chunk form; then 16 rows decoding). Every
+   `--slice` the v41-slice too (a chunk of 8,192 tokens of one long prompt, then its last 2,048 with 63 short
+   prompts in steps of 8,192, 8,192 and 4,564 tokens: the FP4 experts' two prefill tiers and the index scores' chunk
+   form; then 64 rows decoding, fewer as they finish: the FP8 linears' tiles up to 16 rows and to 64). Every
    kernel Triton compiles on the way is kept as it was compiled: its function, signature, constexprs,
    specialisation attributes and launch options (num_warps, num_stages...), in FILE (JSON).
 2. `FILE [--targets 80,90,100]`, anywhere (no GPU needed): each recorded kernel compiled for each target (sm_80
@@ -150,6 +151,39 @@ def build(record: dict, capability: int) -> dict:
     out = {"regs": regs, "local": local, "shared": shared}
     if shared > MAX_SHARED[capability]:
         out["error"] = f"needs {shared:,} bytes of shared memory, sm_{capability} has {MAX_SHARED[capability]:,}"
+        smaller = fallback(record)
+        if smaller is not None:  # what the launch does on such a device (kernels/fit.py): its next configuration
+            out = build(smaller, capability)  # (and its next, if that is too big as well)
+            out.setdefault("fallback", ", ".join(f"{k}={v}" for k, v in smaller["changed"].items()))
+            if "error" in out and "the launch's" not in out["error"]:
+                out["error"] += f" at {out['fallback']}, the launch's smallest"
+            out["too_big"] = shared
+    return out
+
+
+def fallback(record: dict) -> dict | None:
+    """The record with its kernel's next smaller configuration (kernels/fit.py SMALLER, which the engine's launch
+    takes where a device cannot hold a configuration's shared memory), "changed" naming what moved; None if the
+    kernel has none."""
+    from kernels import fit
+
+    fn = resolve(record["fn"])
+    if fn not in fit.SMALLER:
+        return None
+    names = [p.name for p in fn.params]
+    index = {names[path[0]]: i for i, (path, _) in enumerate(record["constexprs"]) if len(path) == 1}
+    cfg = {name: decode(record["constexprs"][i][1]) for name, i in index.items()} | record["options"]
+    smaller = fit.SMALLER[fn](cfg)
+    if smaller is None:
+        return None
+    changed = {k: v for k, v in smaller.items() if cfg.get(k) != v}
+    out = {**record, "constexprs": [list(c) for c in record["constexprs"]], "options": dict(record["options"])}
+    for k, v in changed.items():
+        if k in index:
+            out["constexprs"][index[k]] = [record["constexprs"][index[k]][0], encode(v)]
+        else:
+            out["options"][k] = v
+    out["changed"] = {**record.get("changed", {}), **changed}
     return out
 
 
@@ -193,8 +227,8 @@ def workload(model: str, slice_model: bool, batch_invariant: bool = False, devic
 
     rng = random.Random(0)
     if slice_model:
-        llm = LLM(model, device=device, max_num_batched_tokens=8192, max_num_seqs=16, max_model_len=16384)
-        lengths = [10240] + [300] * 15  # steps of 8,192 and 6,548 tokens (kernels/fp4_moe.py config), then decode
+        llm = LLM(model, device=device, max_num_batched_tokens=8192, max_num_seqs=64, max_model_len=16384)
+        lengths = [10240] + [300] * 63  # steps of 8,192 x 3 and 4,564 tokens (kernels/fp4_moe.py config), then decode
     else:
         llm = LLM(model, device=device, max_num_batched_tokens=2048, batch_invariant=batch_invariant)
         lengths = [rng.randint(8, 900) for _ in range(prompts)]
@@ -261,7 +295,7 @@ def check(path: str, targets: list[int]) -> int:
     table.add_column("kernel (tile; warps)", no_wrap=True)
     for capability in targets:
         table.add_column(f"sm_{capability}: regs / local / shared KB")
-    failures = []
+    failures, fallbacks = [], []
     for record_, row in results:
         try:
             name = name_of(record_)
@@ -272,10 +306,15 @@ def check(path: str, targets: list[int]) -> int:
             r = row[capability]
             if "error" in r:
                 failures.append(f"sm_{capability}: {name}: {r['error']}")
+            elif "fallback" in r:
+                fallbacks.append(f"sm_{capability}: {name}: needs {r['too_big']:,} bytes of shared memory, sm_"
+                                 f"{capability} has {MAX_SHARED[capability]:,}; the launch takes {r['fallback']}")
             cells.append("FAILED (below)" if "error" in r else
-                         f"{r['regs']} / {r['local']} / {r['shared'] / 1024:.0f}")
+                         f"{r['regs']} / {r['local']} / {r['shared'] / 1024:.0f}" + (" *" if "fallback" in r else ""))
         table.add_row(name, *cells)
     Console(width=200).print(table)
+    for line in fallbacks:
+        print(f"* builds smaller for {line}")
     for line in failures:
         print(f"does not build for {line}")
     for capability in targets:

@@ -80,6 +80,7 @@ OFF_PATH = {
     "kernels/paged.py": "Triton fast path of the runner's step inputs and model/paged.py's addresses (CUDA)",
     "kernels/compressor.py": "Triton fast path of model/paged.py's compressor step at decode (CUDA)",
     "kernels/output.py": "Triton fast path of model/attention.py's inverse RoPE and grouped wo_a (CUDA)",
+    "kernels/fit.py": "a CUDA launch's smaller tiles where the GPU cannot hold a kernel's shared memory",
 }
 
 

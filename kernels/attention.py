@@ -28,6 +28,7 @@ try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch pat
     import triton
     import triton.language as tl
 
+    from kernels import fit
     from kernels.rope import _rotate_loaded
 except ImportError:
     triton = None
@@ -128,6 +129,14 @@ if triton is not None:
                  out.to(tl.bfloat16), mask=h[:, None] < H)
 
 
+    def smaller(cfg: dict) -> dict | None:
+        """Where a device cannot hold a configuration's shared memory (kernels/fit.py): half the heads a program,
+        down to 16 (the tensor cores' least rows). sm_100 takes the slice's chunks 32 heads a program."""
+        return dict(cfg, BLOCK_H=cfg["BLOCK_H"] // 2) if cfg["BLOCK_H"] > 16 else None
+
+    fit.register(_sparse_attn_kernel, smaller)
+
+
 def applies(q: torch.Tensor, head_dim: int | None = None) -> bool:
     """Whether the kernel serves these queries: bf16 on CUDA, a head dim (q's last, or `head_dim` for a tensor
     of the same device and dtype as the queries will be) that is a power of two >= 16."""
@@ -175,15 +184,13 @@ def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.T
                  if pool is not None else (0, tables, 0, 1, 0, 0))
     cfg = dict(config(H, D, decode=S == 1 and not invariant.enabled()), **(cfg or {}))
     f = torch.view_as_real(freqs).reshape(B * S, -1).contiguous() if freqs is not None else None  # (cos, sin)
-    if B * S:
-        grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))
-        _sparse_attn_kernel[grid](q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1),
-                                  q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1),
-                                  out.stride(0), out.stride(1), out.stride(2),
-                                  kv, kv.size(1), kv.stride(0), kv.stride(1), *ring_args, *pool_args,
-                                  f if freqs is not None else q, D=D, BLOCK=BLOCK_K, HAS_RING=ring is not None,
-                                  HAS_POOL=pool is not None, ROPE=0 if freqs is None else f.size(-1),
-                                  BF16=q.is_cuda, **cfg)
+    if B * S:  # the configuration, or a smaller one where the device cannot hold its shared memory (kernels/fit.py)
+        fit.launch(_sparse_attn_kernel, lambda c: (B * S, triton.cdiv(H, c["BLOCK_H"])),
+                   (q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1), q.stride(0), q.stride(1), q.stride(2),
+                    idx.stride(0), idx.stride(1), out.stride(0), out.stride(1), out.stride(2), kv, kv.size(1),
+                    kv.stride(0), kv.stride(1), *ring_args, *pool_args, f if freqs is not None else q), cfg, q.device,
+                   D=D, BLOCK=BLOCK_K, HAS_RING=ring is not None, HAS_POOL=pool is not None,
+                   ROPE=0 if freqs is None else f.size(-1), BF16=q.is_cuda)
     return out
 
 

@@ -17,6 +17,7 @@ try:  # Triton ships Linux wheels only; elsewhere model/attention.py's torch pat
     import triton
     import triton.language as tl
 
+    from kernels import fit
     from kernels.fp8_gemm import _dot
     from kernels.rope import _rotate_loaded
 except ImportError:
@@ -52,6 +53,17 @@ if triton is not None:
             acc = _dot(a, w, acc, BF16)  # compiled: a bf16 tensor-core dot; the interpreter: fp32 (exact products)
         out_at = out_ptr + rows.to(tl.int64)[:, None] * (tl.num_programs(2) * RANK) + (g * RANK + n)[None, :]
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & (n < RANK)[None, :])
+
+    def smaller(cfg: dict) -> dict | None:
+        """Where a device cannot hold a tile's shared memory (kernels/fit.py): half the rows a program, then half the
+        K step, down to 16 (the same bits: each output's products are summed in K order whatever the tile). sm_120
+        takes tiny-68m's prefill tile at 32 rows."""
+        for key in ("BLOCK_M", "BLOCK_K"):
+            if cfg[key] > 16:
+                return dict(cfg, **{key: cfg[key] // 2})
+        return None
+
+    fit.register(_rope_wo_a_kernel, smaller)
 
 
 # The widest group the launch serves. Narrow groups (tiny-68m: 256 wide, rank 64) are bound by launches, and one
@@ -96,7 +108,7 @@ def rope_wo_a(o: torch.Tensor, freqs: torch.Tensor, wo_a: torch.Tensor, rope_dim
     out = torch.empty(M, G * rank, dtype=o.dtype, device=o.device)
     if M:
         block_m, block_n, block_k, warps = tile or tiles(M, rank, K)
-        grid = (triton.cdiv(M, block_m), triton.cdiv(rank, block_n), G)
-        _rope_wo_a_kernel[grid](o, f.contiguous(), wo_a, out, M, rank, HD=H * D, K=K, D=D, R=rope_dim,
-                                BF16=o.is_cuda, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        fit.launch(_rope_wo_a_kernel, lambda c: (triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(rank, c["BLOCK_N"]), G),
+                   (o, f.contiguous(), wo_a, out, M, rank), dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                   num_warps=warps), o.device, HD=H * D, K=K, D=D, R=rope_dim, BF16=o.is_cuda)
     return out.view(*lead, G * rank)

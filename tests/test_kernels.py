@@ -332,6 +332,39 @@ def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
         assert torch.equal(got, want), prefetch
 
 
+def test_a_launch_the_device_cannot_hold_takes_the_kernels_next_smaller_configuration():
+    """kernels/fit.py: where Triton refuses a configuration for its shared memory (OutOfResources, raised as it loads
+    the kernel, before anything runs), `launch` runs the kernel's next smaller one (its module's `smaller`), and
+    remembers the choice per device: the next launch asking for the same goes straight to it. A kernel with no
+    smaller configuration, or none that fits, raises Triton's error. A stand-in kernel that holds 32 heads a program
+    at most; sparse attention's `smaller` halves the heads down to 16."""
+    pytest.importorskip("triton")
+    from kernels import attention, fit
+
+    ran = []
+
+    class Kernel:  # kernel[grid](*args, **kwargs), refusing more than 32 heads a program as a small GPU would
+        def __getitem__(self, grid):
+            def run(*args, **cfg):
+                if cfg["BLOCK_H"] > 32:
+                    raise fit.OutOfResources(263200, 232448, "shared memory")
+                ran.append((grid, args, cfg))
+            return run
+
+    kernel = fit.register(Kernel(), attention.smaller)
+    grid = lambda c: (4, 64 // c["BLOCK_H"])  # noqa: E731
+    assert fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=64, num_warps=8), "cuda:0", D=512) == dict(BLOCK_H=32,
+                                                                                                   num_warps=8)
+    assert ran == [((4, 2), (1, 2), dict(D=512, BLOCK_H=32, num_warps=8))]
+    fit.SMALLER[kernel] = lambda cfg: (_ for _ in ()).throw(AssertionError("asked again"))  # the choice is kept
+    assert fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=64, num_warps=8), "cuda:0", D=512)["BLOCK_H"] == 32
+    fit.SMALLER[kernel] = lambda cfg: None  # another device, and nothing smaller: Triton's error stands
+    with pytest.raises(fit.OutOfResources):
+        fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=64, num_warps=8), "cuda:1", D=512)
+    assert attention.smaller(dict(BLOCK_H=32, num_warps=8)) == dict(BLOCK_H=16, num_warps=8)
+    assert attention.smaller(dict(BLOCK_H=16)) is None
+
+
 @needs_interpreter
 def test_sparse_attention_takes_decode_tiles_at_wide_heads_only_outside_the_batch_invariant_mode(monkeypatch):
     """kernels/attention.py `config`: a decode step's queries (one a row) at wide heads take DECODE_WIDE's tiles,

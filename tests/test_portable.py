@@ -1,6 +1,7 @@
 """benchmarks/portable.py: the engine's Triton kernels as compiled, recorded and compiled again for other GPUs (the
 users' B200 is sm_100), off the GPU. Triton's compiler runs without one, but not under the interpreter that
 tests/conftest.py sets: every step runs in a child process without TRITON_INTERPRET."""
+import inspect
 import json
 import os
 import subprocess
@@ -174,3 +175,35 @@ def test_the_recorder_sees_a_kernel_launched_through_its_jit_function(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "_sample_kernel (BLOCK=1024, SKIP=True; 16 warps)" in run.stdout
     assert all(f"sm_{c}: 1 of 1 kernels build" in run.stdout for c in (80, 90, 100))
+
+
+def test_a_tile_too_big_for_a_target_is_compiled_as_the_launch_falls_back(tmp_path):
+    """Sparse attention at the slice's widths (64 heads of 512 a program on 8 warps, a chunk's tile, as an H100
+    records it) takes more shared memory on sm_100 and sm_120 than a block may have; the launch then takes its next
+    smaller configuration (kernels/fit.py, kernels/attention.py `smaller`): 32 heads a program on sm_100, 16 on
+    sm_120. The table compiles what the engine would run there, marks the row, says why, and every target builds."""
+    pytest.importorskip("triton")
+    from kernels import attention
+
+    kernel = attention._sparse_attn_kernel  # in this process under the interpreter (tests/conftest.py)
+    names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+    kinds = dict(q_ptr="*bf16", sink_ptr="*fp32", idx_ptr="*i64", out_ptr="*bf16", scale="fp32", kv_ptr="*bf16",
+                 ring_delta="i64", pool_delta="i64", slots_ptr="*i64", tables_ptr="*i64", freqs_ptr="*bf16")
+    tiles = dict(PER_BLOCK=64, D=512, BLOCK_H=64, BLOCK=64, HAS_RING=True, HAS_POOL=True, ROPE=0, BF16=True,
+                 PREFETCH=False)
+    record = {"fn": "kernels.attention:_sparse_attn_kernel",
+              "signature": {n: "constexpr" if n in tiles else kinds.get(n, "i32") for n in names},
+              "constexprs": [[[names.index(n)], v] for n, v in tiles.items()],
+              "attrs": [[[i], [["tt.divisibility", 16]]] for i, n in enumerate(names)  # as the H100's launch had
+                        if n not in tiles and n not in ("scale", "slots_ptr")],
+              "options": {"num_warps": 8, "num_stages": 2}}
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps({"hardware": "NVIDIA H100 80GB HBM3", "kernels": [record]}))
+    run = child(str(path), "--targets", "90,100,120")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    out = run.stdout
+    row = next(line for line in out.splitlines() if "_sparse_attn_kernel (" in line)
+    assert row.count(" *") == 2  # sm_100 and sm_120 run a smaller tile; sm_90 the recorded one
+    assert "sm_100 has 232,448; the launch takes BLOCK_H=32" in out
+    assert "sm_120 has 101,376; the launch takes BLOCK_H=16" in out
+    assert all(f"sm_{c}: 1 of 1 kernels build" in out for c in (90, 100, 120))

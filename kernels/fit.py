@@ -1,0 +1,50 @@
+"""Launches that fit the GPU they run on: a tile configuration whose shared memory the device cannot hold gives way
+to the kernel's next smaller one.
+
+A kernel's configuration is chosen on the GPUs it was measured on (H100/H200), but another architecture may
+compile the same tiles into more shared memory than it has: Triton 3.7's sm_100 (B200) build of sparse
+attention's 64-head block at the slice's 512-wide heads takes 263,200 bytes where a block may have 232,448
+(sm_90's build of it takes 196,608). Triton raises OutOfResources when it loads such a kernel, before anything
+runs (also while a CUDA graph is captured), so `launch` catches it, asks the kernel's module for the next smaller
+configuration (`SMALLER`, registered with `register`), and remembers per device what fit. The smaller tiles
+may add a kernel's sums in another order, so their bits are that device's, as every GPU's bits are its own.
+
+benchmarks/portable.py compiles recorded kernels for other GPUs by the same rule, so its table says which
+configuration each target gets.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+try:  # Triton ships Linux wheels only; without it no kernel launches
+    from triton.runtime.errors import OutOfResources
+except ImportError:
+    OutOfResources = None
+
+SMALLER: dict = {}  # jitted kernel -> (configuration -> the next smaller one to try, or None)
+_fitted: dict = {}  # (kernel, device, configuration asked for) -> the configuration that fit
+
+
+def register(kernel, smaller: Callable[[dict], dict | None]):
+    """Name `smaller` as the kernel's next configuration where the device cannot hold one; returns the kernel."""
+    SMALLER[kernel] = smaller
+    return kernel
+
+
+def launch(kernel, grid: Callable[[dict], tuple], args: tuple, cfg: dict, device, **fixed) -> dict:
+    """kernel[grid(cfg)](*args, **fixed, **cfg), or with the first of SMALLER's configurations that the device can
+    hold (the choice kept for the next launch asking for the same); -> the configuration that ran. Raises the last
+    OutOfResources if none fits."""
+    asked = (kernel, str(device), tuple(sorted(cfg.items())), tuple(sorted(fixed.items())))
+    cfg = _fitted.get(asked, cfg)
+    while True:
+        try:
+            kernel[grid(cfg)](*args, **fixed, **cfg)
+        except OutOfResources:
+            smaller = SMALLER.get(kernel, lambda _: None)(cfg)
+            if smaller is None:
+                raise
+            cfg = smaller
+            continue
+        _fitted[asked] = cfg
+        return cfg
