@@ -309,21 +309,28 @@ def chain(args, rows: int, iters: int, gen) -> None:
             layers.append((torch.randn(rows, K, generator=gen, device="cuda").bfloat16(),
                            codes.view(torch.float8_e4m3fn), scale))
     groups = {"all": layers, **{f"{N} x {K}": layers[i::len(shapes)] for i, (N, K) in enumerate(shapes)}}
-    print(f"| FP8 linears in a row ({rows} rows) | TARGET_PROGRAMS, MAX_SPLIT | launches | ms (graph) | us a linear "
+    engram = (args.dim * (args.hc_mult + 1), args.n_hash_cols * args.engram_head_dim)  # its wkv: one a step, 157 MB
+    codes = torch.randint(0, 0x7f, engram, generator=gen, device="cuda", dtype=torch.uint8)
+    scale = torch.full((engram[0] // 32, engram[1] // 32), 118, dtype=torch.uint8, device="cuda")
+    x = torch.randn(rows, engram[1], generator=gen, device="cuda").bfloat16()
+    groups[f"Engram wkv {engram[0]} x {engram[1]}"] = [(x, codes.view(torch.float8_e4m3fn),
+                                                       scale.view(torch.float8_e8m0fnu))]
+    print(f"| FP8 linears in a row ({rows} rows) | TARGET_PROGRAMS, MAX_SPLIT, SWAP_MAXNREG | launches | ms (graph) "
+          "| us a linear "
           "| floor/measured |")
     print("|---|---|---|---|---|---|")
-    kept = fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT
+    kept = fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT, fp8_gemm.SWAP_MAXNREG
     try:
         for name, group in groups.items():
             floor = sum(w.numel() for _, w, _ in group) / HBM
-            for target, most in [kept, (132, 16), (528, 16), (264, 8), (264, 32), (1056, 32), kept]:
-                fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = target, most
+            for setting in [kept, (264, 16, 128), (528, 16, 128), (396, 16, 128), (528, 32, 128), kept]:
+                fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT, fp8_gemm.SWAP_MAXNREG = setting
                 fn = lambda: [fp8_gemm.fp8_gemm(act_quant_fp8(x, 32), w, s) for x, w, s in group]
                 s = timed(graphed(fn), iters, "cuda")
-                print(f"| {name} | {target}, {most} | {len(group)} | {s * 1e3:.3f} | {s * 1e6 / len(group):.1f} | "
-                      f"{floor / s:.1%} |", flush=True)
+                print(f"| {name} | {', '.join(map(str, setting))} | {len(group)} | {s * 1e3:.3f} | "
+                      f"{s * 1e6 / len(group):.1f} | {floor / s:.1%} |", flush=True)
     finally:  # the module's split as it was, whatever failed
-        fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = kept
+        fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT, fp8_gemm.SWAP_MAXNREG = kept
 
 
 def decode_rows(args, batches: list[int], iters: int, gen, ids_file: str | None, tiles: str) -> None:
