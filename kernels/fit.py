@@ -4,7 +4,7 @@ to the kernel's next smaller one.
 A kernel's configuration is chosen on the GPUs it was measured on (H100/H200), but another architecture may
 compile the same tiles into more shared memory than it has: Triton 3.7's sm_100 (B200) build of sparse
 attention's 64-head block at the slice's 512-wide heads takes 263,200 bytes where a block may have 232,448
-(sm_90's build of it takes 196,608). Triton raises OutOfResources when it loads such a kernel, before anything
+(sm_90's build of it takes 197,120). Triton raises OutOfResources when it loads such a kernel, before anything
 runs (also while a CUDA graph is captured), so `launch` catches it, asks the kernel's module for the next smaller
 configuration (`SMALLER`, registered with `register`), and remembers per device what fit. The smaller tiles
 may add a kernel's sums in another order, so their bits are that device's, as every GPU's bits are its own.
