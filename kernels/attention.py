@@ -128,7 +128,6 @@ if triton is not None:
         tl.store(out_ptr + b64 * so_b + s * so_s + h[:, None] * so_h + d[None, :],
                  out.to(tl.bfloat16), mask=h[:, None] < H)
 
-
     def smaller(cfg: dict) -> dict | None:
         """Where a device cannot hold a configuration's shared memory (kernels/fit.py): half the heads a program,
         down to 16 (the tensor cores' least rows). sm_100 takes the slice's chunks 32 heads a program."""
@@ -188,8 +187,7 @@ def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.T
         fit.launch(_sparse_attn_kernel, lambda c: (B * S, triton.cdiv(H, c["BLOCK_H"])),
                    (q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1), q.stride(0), q.stride(1), q.stride(2),
                     idx.stride(0), idx.stride(1), out.stride(0), out.stride(1), out.stride(2), kv, kv.size(1),
-                    kv.stride(0), kv.stride(1), *ring_args, *pool_args, f if freqs is not None else q), cfg, q.device,
-                   D=D, BLOCK=BLOCK_K, HAS_RING=ring is not None, HAS_POOL=pool is not None,
+                    kv.stride(0), kv.stride(1), *ring_args, *pool_args, f if freqs is not None else q), cfg, D=D, BLOCK=BLOCK_K, HAS_RING=ring is not None, HAS_POOL=pool is not None,
                    ROPE=0 if freqs is None else f.size(-1), BF16=q.is_cuda)
     return out
 

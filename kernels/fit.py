@@ -5,9 +5,11 @@ A kernel's configuration is chosen on the GPUs it was measured on (H100/H200), b
 compile the same tiles into more shared memory than it has: Triton 3.7's sm_100 (B200) build of sparse
 attention's 64-head block at the slice's 512-wide heads takes 263,200 bytes where a block may have 232,448
 (sm_90's build of it takes 197,120). Triton raises OutOfResources when it loads such a kernel, before anything
-runs (also while a CUDA graph is captured), so `launch` catches it, asks the kernel's module for the next smaller
-configuration (`SMALLER`, registered with `register`), and remembers per device what fit. The smaller tiles
-may add a kernel's sums in another order, so their bits are that device's, as every GPU's bits are its own.
+runs (also while a CUDA graph is captured), so `launch` catches it and asks the kernel's module for the next smaller
+configuration (`SMALLER`, registered with `register`). Every launch starts from the configuration asked for (Triton
+keeps the refusal, so a retry costs a raise, not a compile): what a launch runs depends on its own arguments and
+the device alone, never on which launch came first. The smaller tiles may add a kernel's sums in another order, so
+their bits are that device's, as every GPU's bits are its own.
 
 benchmarks/portable.py compiles recorded kernels for other GPUs by the same rule, so its table says which
 configuration each target gets.
@@ -22,7 +24,6 @@ except ImportError:
     OutOfResources = None
 
 SMALLER: dict = {}  # jitted kernel -> (configuration -> the next smaller one to try, or None)
-_fitted: dict = {}  # (kernel, device, configuration asked for) -> the configuration that fit
 
 
 def register(kernel, smaller: Callable[[dict], dict | None]):
@@ -31,20 +32,15 @@ def register(kernel, smaller: Callable[[dict], dict | None]):
     return kernel
 
 
-def launch(kernel, grid: Callable[[dict], tuple], args: tuple, cfg: dict, device, **fixed) -> dict:
+def launch(kernel, grid: Callable[[dict], tuple], args: tuple, cfg: dict, **fixed) -> dict:
     """kernel[grid(cfg)](*args, **fixed, **cfg), or with the first of SMALLER's configurations that the device can
-    hold (the choice kept for the next launch asking for the same); -> the configuration that ran. Raises the last
-    OutOfResources if none fits."""
-    asked = (kernel, str(device), tuple(sorted(cfg.items())), tuple(sorted(fixed.items())))
-    cfg = _fitted.get(asked, cfg)
+    hold; -> the configuration that ran. Raises the last OutOfResources if none fits."""
     while True:
         try:
             kernel[grid(cfg)](*args, **fixed, **cfg)
+            return cfg
         except OutOfResources:
             smaller = SMALLER.get(kernel, lambda _: None)(cfg)
             if smaller is None:
                 raise
             cfg = smaller
-            continue
-        _fitted[asked] = cfg
-        return cfg

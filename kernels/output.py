@@ -110,5 +110,5 @@ def rope_wo_a(o: torch.Tensor, freqs: torch.Tensor, wo_a: torch.Tensor, rope_dim
         block_m, block_n, block_k, warps = tile or tiles(M, rank, K)
         fit.launch(_rope_wo_a_kernel, lambda c: (triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(rank, c["BLOCK_N"]), G),
                    (o, f.contiguous(), wo_a, out, M, rank), dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                   num_warps=warps), o.device, HD=H * D, K=K, D=D, R=rope_dim, BF16=o.is_cuda)
+                   num_warps=warps), HD=H * D, K=K, D=D, R=rope_dim, BF16=o.is_cuda)
     return out.view(*lead, G * rank)

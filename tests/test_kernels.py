@@ -334,8 +334,8 @@ def test_paged_sparse_attention_addresses_ring_chunk_and_blocks(S):
 
 def test_a_launch_the_device_cannot_hold_takes_the_kernels_next_smaller_configuration():
     """kernels/fit.py: where Triton refuses a configuration for its shared memory (OutOfResources, raised as it loads
-    the kernel, before anything runs), `launch` runs the kernel's next smaller one (its module's `smaller`), and
-    remembers the choice per device: the next launch asking for the same goes straight to it. A kernel with no
+    the kernel, before anything runs), `launch` runs the kernel's next smaller one (its module's `smaller`); every
+    launch starts from the configuration asked for, so what runs never depends on an earlier launch. A kernel with no
     smaller configuration, or none that fits, raises Triton's error. A stand-in kernel that holds 32 heads a program
     at most; sparse attention's `smaller` halves the heads down to 16."""
     pytest.importorskip("triton")
@@ -353,14 +353,13 @@ def test_a_launch_the_device_cannot_hold_takes_the_kernels_next_smaller_configur
 
     kernel = fit.register(Kernel(), attention.smaller)
     grid = lambda c: (4, 64 // c["BLOCK_H"])  # noqa: E731
-    assert fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=64, num_warps=8), "cuda:0", D=512) == dict(BLOCK_H=32,
-                                                                                                   num_warps=8)
+    assert fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=64, num_warps=8), D=512) == dict(BLOCK_H=32, num_warps=8)
     assert ran == [((4, 2), (1, 2), dict(D=512, BLOCK_H=32, num_warps=8))]
-    fit.SMALLER[kernel] = lambda cfg: (_ for _ in ()).throw(AssertionError("asked again"))  # the choice is kept
-    assert fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=64, num_warps=8), "cuda:0", D=512)["BLOCK_H"] == 32
-    fit.SMALLER[kernel] = lambda cfg: None  # another device, and nothing smaller: Triton's error stands
+    assert fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=16, num_warps=8), D=512)["BLOCK_H"] == 16  # fits as asked
+    assert fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=64, num_warps=8), D=512)["BLOCK_H"] == 32  # the same again
+    fit.SMALLER[kernel] = lambda cfg: None  # nothing smaller: Triton's error stands
     with pytest.raises(fit.OutOfResources):
-        fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=64, num_warps=8), "cuda:1", D=512)
+        fit.launch(kernel, grid, (1, 2), dict(BLOCK_H=64, num_warps=8), D=512)
     assert attention.smaller(dict(BLOCK_H=32, num_warps=8)) == dict(BLOCK_H=16, num_warps=8)
     assert attention.smaller(dict(BLOCK_H=16)) is None
 
