@@ -16,7 +16,7 @@ be the same bits.
 
 Usage: python benchmarks/bench_attention.py [--decode 64] [--prefill 8192] [--sweep] [--rope] [--iters 20]
 Prints a line per configuration; `--sweep` times every (BLOCK_H, num_warps, num_stages), otherwise the
-kernel's own `config` beside the one-block baseline.
+kernel's own `config` (a chunk's, and at decode a decode step's) beside the one-block baseline.
 """
 from __future__ import annotations
 
@@ -98,8 +98,9 @@ def main() -> None:
                              for bh, w, st in itertools.product((16, 32, 64), (4, 8), (2, 3))]
     else:
         cfgs = [baseline, config(H, D)]
-    if a.decode:
-        run("decode", a.decode, 1, cfgs, a.iters, a.warmup, gen, a.rope)
+    if a.decode:  # and the decode step's own tile (kernels/attention.py DECODE_WIDE)
+        run("decode", a.decode, 1, cfgs if a.sweep else [*cfgs, config(H, D, decode=True)], a.iters, a.warmup, gen,
+            a.rope)
     if a.prefill:
         run("prefill", 1, a.prefill, cfgs, max(2, a.iters // 4), a.warmup, gen, a.rope)
 

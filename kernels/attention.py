@@ -10,7 +10,8 @@ chunk's latents or the compressed entries in their KV blocks, through the block 
 concatenated copy), and keeps the running max, denominator and accumulator in registers. One program
 per query token and block of heads (`config`: at least 16 rows for the tensor cores); a block of heads
 shares each gathered block of rows. At D = 512 all 64 heads in one block on 8 warps (not 4) hold the
-[heads, D] fp32 accumulator without spilling.
+[heads, D] fp32 accumulator without spilling; a decode step outside the batch-invariant mode takes 32
+(`DECODE_WIDE`), and a GPU that cannot hold a tile's shared memory half its heads (kernels/fit.py; sm_100).
 
 Numerics, as the torch path: blocks of 64 indices in list order; scores from bf16 q and bf16 rows with
 fp32 accumulation, masked to -inf where the index is -1, then times the scale in fp32; the running max
