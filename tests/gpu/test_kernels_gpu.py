@@ -194,6 +194,33 @@ def test_compiled_sparse_attention_config_keeps_the_one_block_bits(S):
                                    want, rtol=2 ** -7, atol=2 ** -10)
 
 
+def test_a_tile_the_gpu_cannot_hold_falls_back_to_the_next_eager_and_in_a_graph():
+    """kernels/fit.py on the GPU: 128 heads a program at 512-wide heads takes 262,656 bytes of shared memory compiled
+    for sm_90, more than an H100/H200 block may have; Triton refuses the kernel as it loads it, and the launch runs
+    64 heads a program instead: the bits of asking for 64, eager and captured in a CUDA graph (the refusal comes
+    before anything is enqueued, so the capture goes on)."""
+    from kernels.attention import sparse_attn
+
+    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= 262656:
+        pytest.skip("this GPU holds 128 heads a program at 512-wide heads: nothing to fall back from")
+    B, H, D, N, L = 4, 64, 512, 1000, 640
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, 1, H, D, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=g)
+    idx = torch.randint(-1, N, (B, 1, L), device="cuda", generator=g)
+    tile = dict(num_warps=8, num_stages=2, PREFETCH=False)
+    want = sparse_attn(q, kv, sink, idx, D ** -0.5, dict(BLOCK_H=64, **tile))
+    assert torch.equal(sparse_attn(q, kv, sink, idx, D ** -0.5, dict(BLOCK_H=128, **tile)), want)
+    out = torch.zeros_like(want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(sparse_attn(q, kv, sink, idx, D ** -0.5, dict(BLOCK_H=128, **tile)))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("shape", [(64, 1, 4, 128, 700, 192), (2, 300, 4, 128, 500, 192), (3, 5, 2, 64, 90, 130)])
 def test_compiled_sparse_attention_matches_the_torch_path(shape):
     """Within fp32 rounding before the bf16 output, on rows with no index (0), on -1 padding anywhere in
