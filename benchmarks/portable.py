@@ -137,7 +137,25 @@ def compiler_words(error: Exception) -> str:
 
 
 def build(record: dict, capability: int) -> dict:
-    """One recorded kernel compiled for sm_`capability`: {"regs", "local", "shared"} or {"error": one line}."""
+    """One recorded kernel compiled for sm_`capability`: {"regs", "local", "shared"} or {"error": one line}. Where the
+    target cannot hold its shared memory, what the launch runs there (kernels/fit.py): the kernel's next smaller
+    configuration, and its next, with "fallback" (what changed) and "too_big" (the recorded tile's bytes)."""
+    out, tried = compiled(record, capability), record
+    while out.get("shared", 0) > MAX_SHARED[capability]:
+        smaller = fallback(tried)
+        if smaller is None:
+            out["error"] = (f"needs {out['shared']:,} bytes of shared memory, sm_{capability} has "
+                            f"{MAX_SHARED[capability]:,}" + (f" at {out['fallback']}, the launch's smallest"
+                                                             if "fallback" in out else ""))
+            break
+        too_big = out.get("too_big", out["shared"])
+        tried, out = smaller, compiled(smaller, capability)
+        out.update(fallback=", ".join(f"{k}={v}" for k, v in smaller["changed"].items()), too_big=too_big)
+    return out
+
+
+def compiled(record: dict, capability: int) -> dict:
+    """The record compiled for sm_`capability` as it is: {"regs", "local", "shared"} or {"error": one line}."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -147,18 +165,7 @@ def build(record: dict, capability: int) -> dict:
         regs, local = usage(kernel.asm["cubin"])
     except Exception as e:  # the compiler's own words: what a user on that GPU would meet
         return {"error": compiler_words(e)}
-    shared = kernel.metadata.shared
-    out = {"regs": regs, "local": local, "shared": shared}
-    if shared > MAX_SHARED[capability]:
-        out["error"] = f"needs {shared:,} bytes of shared memory, sm_{capability} has {MAX_SHARED[capability]:,}"
-        smaller = fallback(record)
-        if smaller is not None:  # what the launch does on such a device (kernels/fit.py): its next configuration
-            out = build(smaller, capability)  # (and its next, if that is too big as well)
-            out.setdefault("fallback", ", ".join(f"{k}={v}" for k, v in smaller["changed"].items()))
-            if "error" in out and "the launch's" not in out["error"]:
-                out["error"] += f" at {out['fallback']}, the launch's smallest"
-            out["too_big"] = shared
-    return out
+    return {"regs": regs, "local": local, "shared": kernel.metadata.shared}
 
 
 def fallback(record: dict) -> dict | None:
