@@ -294,8 +294,8 @@ def sweep(args, batches: list[int], prefill: int, iters: int, gen) -> None:
 def chain(args, rows: int, iters: int, gen) -> None:
     """A decode step's FP8 linears in a row (act_quant, then the GEMM: FP8Linear on CUDA), the slice's seven
     a layer (wq_a, wq_b, wkv, wo_b, the shared expert's w1, w3, w2) over n_layers layers of their own weights,
-    in one CUDA graph: by the split's programs (kernels/fp8_gemm.py TARGET_PROGRAMS, MAX_SPLIT), all of them and
-    each shape's n_layers alone."""
+    in one CUDA graph: by the split's programs (kernels/fp8_gemm.py TARGET_PROGRAMS, MAX_SPLIT), all of them,
+    each shape's n_layers alone, and Engram's wkv (one a step, 157 MB)."""
     from kernels import fp8_gemm
     from kernels.quant import act_quant_fp8
 
@@ -315,22 +315,22 @@ def chain(args, rows: int, iters: int, gen) -> None:
     x = torch.randn(rows, engram[1], generator=gen, device="cuda").bfloat16()
     groups[f"Engram wkv {engram[0]} x {engram[1]}"] = [(x, codes.view(torch.float8_e4m3fn),
                                                        scale.view(torch.float8_e8m0fnu))]
-    print(f"| FP8 linears in a row ({rows} rows) | TARGET_PROGRAMS, MAX_SPLIT, SWAP_MAXNREG | launches | ms (graph) "
+    print(f"| FP8 linears in a row ({rows} rows) | TARGET_PROGRAMS, MAX_SPLIT | launches | ms (graph) "
           "| us a linear "
           "| floor/measured |")
     print("|---|---|---|---|---|---|")
-    kept = fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT, fp8_gemm.SWAP_MAXNREG
+    kept = fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT
     try:
         for name, group in groups.items():
             floor = sum(w.numel() for _, w, _ in group) / HBM
-            for setting in [kept, (264, 16, 128), (528, 16, 128), (396, 16, 128), (528, 32, 128), kept]:
-                fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT, fp8_gemm.SWAP_MAXNREG = setting
+            for setting in [kept, (132, 16), (396, 16), (528, 16), (264, 8), (264, 32), kept]:
+                fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = setting
                 fn = lambda: [fp8_gemm.fp8_gemm(act_quant_fp8(x, 32), w, s) for x, w, s in group]
                 s = timed(graphed(fn), iters, "cuda")
                 print(f"| {name} | {', '.join(map(str, setting))} | {len(group)} | {s * 1e3:.3f} | "
                       f"{s * 1e6 / len(group):.1f} | {floor / s:.1%} |", flush=True)
     finally:  # the module's split as it was, whatever failed
-        fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT, fp8_gemm.SWAP_MAXNREG = kept
+        fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT = kept
 
 
 def decode_rows(args, batches: list[int], iters: int, gen, ids_file: str | None, tiles: str) -> None:

@@ -52,10 +52,6 @@ TILE = 32  # the weight's scale tile (model/quant.py WEIGHT_TILE)
 DEQUANT_ROWS = 1024
 TARGET_PROGRAMS = 264  # enough programs to keep an H200's 132 SMs busy twice over (a constant: same split anywhere)
 MAX_SPLIT = 16  # parts of K at most
-# Registers a thread at most for the transposed tile (None: the compiler's choice). Compiled for sm_90 it takes 148
-# on 8 warps, so one program a multiprocessor where TARGET_PROGRAMS counts on two; capped at 128 it does not spill
-# (triton 3.7.1, off the GPU) and two fit. Not yet timed: bench_fp4.py --chain sweeps it (benchmarks/RESULTS.md).
-SWAP_MAXNREG = None
 
 
 if triton is not None:
@@ -216,8 +212,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, split: 
         grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), split)
         _fp8_gemm_kernel[grid](rows, weight.view(torch.uint8), scale.view(torch.uint8), out, M, N, K, rows.stride(0),
                                M * N, k_per_split, HW_FP8=hw_fp8(x.device) if hw is None else hw,
-                               BF16=x.is_cuda, BM=BM, BN=BN, BK=BK, SWAP=swap, num_warps=warps, num_stages=3,
-                               **(dict(maxnreg=SWAP_MAXNREG) if swap and SWAP_MAXNREG and x.is_cuda else {}))
+                               BF16=x.is_cuda, BM=BM, BN=BN, BK=BK, SWAP=swap, num_warps=warps, num_stages=3)
     return (out[0] if split == 1 else sum_parts(out)).view(*x.shape[:-1], N)
 
 
