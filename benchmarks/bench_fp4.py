@@ -315,8 +315,7 @@ def chain(args, rows: int, iters: int, gen) -> None:
     x = torch.randn(rows, engram[1], generator=gen, device="cuda").bfloat16()
     groups[f"Engram wkv {engram[0]} x {engram[1]}"] = [(x, codes.view(torch.float8_e4m3fn),
                                                        scale.view(torch.float8_e8m0fnu))]
-    print(f"| FP8 linears in a row ({rows} rows) | TARGET_PROGRAMS, MAX_SPLIT | launches | ms (graph) "
-          "| us a linear "
+    print(f"| FP8 linears in a row ({rows} rows) | TARGET_PROGRAMS, MAX_SPLIT | launches | ms (graph) | us a linear "
           "| floor/measured |")
     print("|---|---|---|---|---|---|")
     kept = fp8_gemm.TARGET_PROGRAMS, fp8_gemm.MAX_SPLIT

@@ -188,7 +188,8 @@ def paged_sparse_attn(q: torch.Tensor, ring: torch.Tensor | None, slots: torch.T
         fit.launch(_sparse_attn_kernel, lambda c: (B * S, triton.cdiv(H, c["BLOCK_H"])),
                    (q, sink.contiguous(), idx, out, scale, S, H, idx.size(-1), q.stride(0), q.stride(1), q.stride(2),
                     idx.stride(0), idx.stride(1), out.stride(0), out.stride(1), out.stride(2), kv, kv.size(1),
-                    kv.stride(0), kv.stride(1), *ring_args, *pool_args, f if freqs is not None else q), cfg, D=D, BLOCK=BLOCK_K, HAS_RING=ring is not None, HAS_POOL=pool is not None,
+                    kv.stride(0), kv.stride(1), *ring_args, *pool_args, f if freqs is not None else q),
+                   cfg, D=D, BLOCK=BLOCK_K, HAS_RING=ring is not None, HAS_POOL=pool is not None,
                    ROPE=0 if freqs is None else f.size(-1), BF16=q.is_cuda)
     return out
 

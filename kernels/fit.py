@@ -26,10 +26,9 @@ except ImportError:
 SMALLER: dict = {}  # jitted kernel -> (configuration -> the next smaller one to try, or None)
 
 
-def register(kernel, smaller: Callable[[dict], dict | None]):
-    """Name `smaller` as the kernel's next configuration where the device cannot hold one; returns the kernel."""
+def register(kernel, smaller: Callable[[dict], dict | None]) -> None:
+    """Name `smaller` as the kernel's next configuration where the device cannot hold one."""
     SMALLER[kernel] = smaller
-    return kernel
 
 
 def launch(kernel, grid: Callable[[dict], tuple], args: tuple, cfg: dict, **fixed) -> dict:
